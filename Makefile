@@ -1,0 +1,52 @@
+# The README's two commands: `make run` and `make test`. Both create .venv on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(abspath $(VENV))/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+# Put the venv's MPI (mpich wheel: mpicc, mpiexec) first on PATH for every recipe.
+export PATH := $(BIN):$(PATH)
+# Keep XLA on the CPU and quiet on CI machines that have CUDA tooling but no GPU.
+export JAX_PLATFORMS ?= cpu
+MPI_RANKS ?= 4
+MPI_TIMEOUT ?= 900
+
+.PHONY: run test test-sim test-mpi bench lint clean venv
+
+venv: $(STAMP)
+
+# mpi4jax has no CPU wheel: it builds from source against the mpich wheel's mpicc.
+# CUDA_PATH points at an empty folder so that machines with nvcc but no CUDA headers
+# get the CPU build (see DESIGN.md).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "mpich" "mpi4py>=4" "nanobind" "cython"
+	mkdir -p $(VENV)/empty-cuda
+	CUDA_PATH=$(abspath $(VENV))/empty-cuda $(PY) -m pip install -q --no-build-isolation "mpi4jax>=0.9"
+	$(PY) -m pip install -q -e ".[mpi,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8
+
+test: test-sim test-mpi
+
+test-sim: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# Rank-agnostic tests again, one worker per MPI rank; the timeout turns a deadlock into a failure.
+test-mpi: $(STAMP)
+	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) \
+		$(PY) -m pytest -q -m mpi -p no:cacheprovider tests
+
+bench: $(STAMP)
+	set -e; for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f; done
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

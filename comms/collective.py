@@ -1,0 +1,82 @@
+"""The `Collective` protocol: the only way shoal's algorithms talk to their peers.
+
+A collective is a frozen, hashable, non-callable value with a static ``size``.
+Engines: `shoal.comms.AxisCollective` (named JAX axes: ``vmap``/``shard_map``)
+and `shoal.comms.MPICollective` (mpi4jax, one worker per process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """What an algorithm may ask of its peers. All methods are traceable under ``jax.jit``."""
+
+    size: int
+
+    def rank(self) -> jax.Array:
+        """This worker's index in ``[0, size)`` as an int32 scalar."""
+
+    def all_reduce(self, tree: Any, op: str = "mean") -> Any:
+        """Element-wise reduction of every leaf over all workers (``op`` in `REDUCE_OPS`)."""
+
+    def all_gather(self, x: jax.Array) -> jax.Array:
+        """``[size, *x.shape]``: row ``j`` is worker ``j``'s ``x``."""
+
+    def all_to_all(self, x: jax.Array) -> jax.Array:
+        """``x.shape[0] == size``; worker ``r`` receives row ``r`` of every worker, stacked by source."""
+
+    def broadcast(self, tree: Any, root: int = 0) -> Any:
+        """Every worker gets worker ``root``'s value of every leaf (bit-exact)."""
+
+    def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
+        """Point-to-point exchange with JAX's ``perm`` convention: ``(source, dest)`` pairs;
+        a worker that is nobody's destination receives zeros."""
+
+
+def check_op(op: str) -> str:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    return op
+
+
+def check_size(size: Any) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    return size
+
+
+def check_root(root: Any, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
+        raise ValueError(f"root must be an int in [0, {size}), got {root!r}")
+    return root
+
+
+def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:
+    """Validate a JAX-style permutation: pairs in range, no repeated source or destination."""
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"perm must be a sequence of (source, dest) int pairs, got {perm!r}") from e
+    for s, d in pairs:
+        if not (0 <= s < size and 0 <= d < size):
+            raise ValueError(f"perm pair {(s, d)} is out of range for {size} workers")
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"perm must not repeat a source or a destination, got {pairs}")
+    return pairs
+
+
+def check_all_to_all(x: jax.Array, size: int) -> None:
+    if x.ndim == 0 or x.shape[0] != size:
+        raise ValueError(
+            f"all_to_all needs x.shape[0] == collective size {size}, got shape {x.shape}"
+        )

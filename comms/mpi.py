@@ -1,0 +1,158 @@
+"""`MPICollective`: one worker per process, collectives through mpi4jax.
+
+Works inside ``jax.jit``, ``lax.cond`` and loops (mpi4jax uses ordered effects, so
+use one device per process). MPI carries no 16-bit floats: reductions are upcast to
+float32 and cast back, data movement (gather, all-to-all, broadcast, permute) is
+bitcast to uint16 and back, so values arrive bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from shoal.comms.collective import (
+    check_all_to_all,
+    check_op,
+    check_perm,
+    check_root,
+    check_size,
+)
+
+_MPI_DTYPES = frozenset(
+    jnp.dtype(t)
+    for t in (
+        jnp.float32, jnp.float64, jnp.complex64, jnp.complex128,
+        jnp.int8, jnp.int16, jnp.int32, jnp.int64,
+        jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64, jnp.bool_,
+    )
+)  # fmt: skip
+_HALF = frozenset(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16))
+
+
+def _import_mpi():
+    try:
+        from mpi4py import MPI
+        import mpi4jax
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "MPICollective needs mpi4py and mpi4jax: pip install 'shoal[mpi]'"
+        ) from e
+    return MPI, mpi4jax
+
+
+def _check_dtype(x) -> None:
+    if x.dtype not in _MPI_DTYPES and x.dtype not in _HALF:
+        raise TypeError(f"MPICollective cannot carry dtype {x.dtype}")
+
+
+class MPICollective:
+    """Collectives across the processes of an MPI communicator (default: a clone of
+    ``MPI.COMM_WORLD``, so shoal's messages never mix with the user's).
+
+    Frozen and hashable (by communicator handle), not callable.
+    """
+
+    __slots__ = ("comm", "size", "_rank")
+
+    def __init__(self, comm: Any = None):
+        MPI, _ = _import_mpi()
+        if comm is None:
+            comm = MPI.COMM_WORLD.Clone()
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        object.__setattr__(self, "comm", comm)
+        object.__setattr__(self, "size", check_size(comm.Get_size()))
+        object.__setattr__(self, "_rank", comm.Get_rank())
+
+    def __setattr__(self, name, value):
+        raise AttributeError("MPICollective is frozen")
+
+    def __eq__(self, other):
+        return isinstance(other, MPICollective) and self.comm.py2f() == other.comm.py2f()
+
+    def __hash__(self):
+        return hash(("MPICollective", self.comm.py2f()))
+
+    def __repr__(self):
+        return f"MPICollective(size={self.size}, rank={self._rank})"
+
+    def rank(self) -> jax.Array:
+        return jnp.int32(self._rank)
+
+    def all_reduce(self, tree: Any, op: str = "mean") -> Any:
+        check_op(op)
+        MPI, mpi4jax = _import_mpi()
+        mpi_op = {"mean": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+        def one(x):
+            x = jnp.asarray(x)
+            _check_dtype(x)
+            if op == "mean" and not jnp.issubdtype(x.dtype, jnp.inexact):
+                raise TypeError(f"all_reduce(op='mean') needs a floating leaf, got dtype {x.dtype}")
+            wire = x.astype(jnp.float32) if x.dtype in _HALF else x
+            y = mpi4jax.allreduce(wire, op=mpi_op, comm=self.comm)
+            if op == "mean":
+                y = y / self.size
+            return y.astype(x.dtype)
+
+        return jax.tree.map(one, tree)
+
+    def all_gather(self, x: jax.Array) -> jax.Array:
+        _, mpi4jax = _import_mpi()
+        return _bit_move(lambda v: mpi4jax.allgather(v, comm=self.comm), x)
+
+    def all_to_all(self, x: jax.Array) -> jax.Array:
+        check_all_to_all(x, self.size)
+        _, mpi4jax = _import_mpi()
+        return _bit_move(lambda v: mpi4jax.alltoall(v, comm=self.comm), x)
+
+    def broadcast(self, tree: Any, root: int = 0) -> Any:
+        check_root(root, self.size)
+        _, mpi4jax = _import_mpi()
+        return jax.tree.map(
+            lambda x: _bit_move(lambda v: mpi4jax.bcast(v, root, comm=self.comm), x), tree
+        )
+
+    def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
+        pairs = check_perm(perm, self.size)
+        _, mpi4jax = _import_mpi()
+        # The rank is static here, so each process traces only its own send/receive.
+        dest = next((d for s, d in pairs if s == self._rank), None)
+        source = next((s for s, d in pairs if d == self._rank), None)
+        comm = self.comm
+
+        def move(v):
+            if dest is not None and source is not None:
+                return mpi4jax.sendrecv(v, v, source, dest, comm=comm)
+            if dest is not None:
+                mpi4jax.send(v, dest, comm=comm)
+            if source is not None:
+                return mpi4jax.recv(v, source, comm=comm)
+            return jnp.zeros_like(v)
+
+        return _bit_move(move, x)
+
+    def split(self, group_size: int) -> tuple[MPICollective, MPICollective]:
+        """Two-tier collectives: ``intra`` over groups of ``group_size`` consecutive ranks,
+        ``inter`` over the ranks with the same position in every group (``comm.Split``)."""
+        from shoal.comms.groups import check_group_size
+
+        check_group_size(self.size, group_size)
+        r = self._rank
+        intra = self.comm.Split(color=r // group_size, key=r)
+        inter = self.comm.Split(color=r % group_size, key=r)
+        return MPICollective(intra), MPICollective(inter)
+
+
+def _bit_move(fn, x):
+    """Run a data-movement op, bitcasting 16-bit floats to uint16 so they survive MPI."""
+    x = jnp.asarray(x)
+    _check_dtype(x)
+    if x.dtype in _HALF:
+        return lax.bitcast_convert_type(fn(lax.bitcast_convert_type(x, jnp.uint16)), x.dtype)
+    return fn(x)

@@ -1,0 +1,1 @@
+"""shoal.experiments: tasks, configs, the ``shoal-run`` runner and its reports."""

@@ -1,0 +1,1 @@
+"""shoal.kernels: compression kernels (Pallas on GPU, a jnp reference everywhere)."""
