@@ -96,8 +96,10 @@ class AxisCollective:
             # Sum root's bits with zeros in an unsigned type: exact for every dtype,
             # including -0.0 and NaN payloads, which a float psum would not keep.
             width = x.dtype.itemsize
-            bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(
-                x, _UINT_OF_WIDTH[width]
+            bits = (
+                x.astype(jnp.uint8)
+                if x.dtype == jnp.bool_
+                else lax.bitcast_convert_type(x, _UINT_OF_WIDTH[width])
             )
             bits = lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), self.axis_name)
             if x.dtype == jnp.bool_:
@@ -117,7 +119,9 @@ class AxisCollective:
         y = lax.ppermute(x, self.axis_name, full)
         if not free_dst:
             return y
-        is_dest = jnp.isin(lax.axis_index(self.axis_name), jnp.asarray([d for _, d in pairs] or [-1]))
+        is_dest = jnp.isin(
+            lax.axis_index(self.axis_name), jnp.asarray([d for _, d in pairs] or [-1])
+        )
         return jnp.where(is_dest, y, jnp.zeros_like(y))
 
     def split(

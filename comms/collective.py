@@ -31,7 +31,7 @@ class Collective(Protocol):
         """``[size, *x.shape]``: row ``j`` is worker ``j``'s ``x``."""
 
     def all_to_all(self, x: jax.Array) -> jax.Array:
-        """``x.shape[0] == size``; worker ``r`` receives row ``r`` of every worker, stacked by source."""
+        """``x.shape[0] == size``: worker ``r`` receives row ``r`` of every worker, by source."""
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """Every worker gets worker ``root``'s value of every leaf (bit-exact)."""
@@ -64,7 +64,9 @@ def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, i
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"perm must be a sequence of (source, dest) int pairs, got {perm!r}") from e
+        raise ValueError(
+            f"perm must be a sequence of (source, dest) int pairs, got {perm!r}"
+        ) from e
     for s, d in pairs:
         if not (0 <= s < size and 0 <= d < size):
             raise ValueError(f"perm pair {(s, d)} is out of range for {size} workers")

@@ -10,9 +10,7 @@ def check_group_size(world_size: int, group_size: Any) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if world_size % group_size:
-        raise ValueError(
-            f"group_size={group_size} must divide the number of workers {world_size}"
-        )
+        raise ValueError(f"group_size={group_size} must divide the number of workers {world_size}")
     return world_size // group_size
 
 

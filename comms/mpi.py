@@ -36,12 +36,10 @@ _HALF = frozenset(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16))
 
 def _import_mpi():
     try:
-        from mpi4py import MPI
         import mpi4jax
+        from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on the installation
-        raise ImportError(
-            "MPICollective needs mpi4py and mpi4jax: pip install 'shoal[mpi]'"
-        ) from e
+        raise ImportError("MPICollective needs mpi4py and mpi4jax: pip install 'shoal[mpi]'") from e
     return MPI, mpi4jax
 
 

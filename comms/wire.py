@@ -66,7 +66,9 @@ def wire_bytes(opt_state: Any) -> WireCount:
 
 def tree_nbytes(tree: Any) -> int:
     """Total bytes of the array leaves of ``tree`` (static shapes and dtypes)."""
-    return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree)))
+    return int(
+        sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    )
 
 
 def all_reduce_bytes(nbytes: int, size: int) -> tuple[int, int]:

@@ -13,7 +13,10 @@ from shoal.optim import allreduce_gradients
 N = n_workers()
 RNG = np.random.default_rng(0)
 GRADS = {
-    "dense": {"w": RNG.normal(size=(N, 4, 3)).astype(np.float32), "b": RNG.normal(size=(N, 3)).astype(np.float32)},
+    "dense": {
+        "w": RNG.normal(size=(N, 4, 3)).astype(np.float32),
+        "b": RNG.normal(size=(N, 3)).astype(np.float32),
+    },
     "head": RNG.normal(size=(N, 3)).astype(np.float32),
 }
 

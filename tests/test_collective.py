@@ -111,7 +111,9 @@ def test_two_tier_groups():
         }
     for w, (s_intra, s_inter, r_intra, r_inter) in outs.items():
         g, m = divmod(w, group_size)
-        np.testing.assert_allclose(s_intra, X[g * group_size : (g + 1) * group_size].sum(0), rtol=1e-6)
+        np.testing.assert_allclose(
+            s_intra, X[g * group_size : (g + 1) * group_size].sum(0), rtol=1e-6
+        )
         np.testing.assert_allclose(s_inter, X[m::group_size].sum(0), rtol=1e-6)
         assert int(r_intra) == m and int(r_inter) == g
 

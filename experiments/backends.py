@@ -1,0 +1,116 @@
+"""Where the workers live: simulated in this process (``vmap``) or one per MPI rank.
+
+Both backends expose the same small interface to the training loop:
+
+* ``collective``: what the algorithms communicate through;
+* ``spmd(fn)``: compile a per-worker function for all of this process's workers;
+* ``replicate`` / ``local``: per-worker layout of parameters and of global batches;
+* ``gather`` / ``mean_params``: host-side metrics for the root process (rank 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from shoal.comms import AxisCollective, MPICollective
+
+AXIS = "workers"
+
+
+class SimBackend:
+    """``size`` workers in one process: per-worker values are stacked on a leading axis
+    and per-worker functions run under ``jax.vmap(..., axis_name="workers")``."""
+
+    name = "sim"
+    is_root = True
+
+    def __init__(self, size: int):
+        self.size = size
+        self.collective = AxisCollective(AXIS, size)
+        self.local_ranks = tuple(range(size))
+
+    def spmd(self, fn):
+        return jax.jit(jax.vmap(fn, axis_name=AXIS))
+
+    def replicate(self, tree: Any) -> Any:
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.size, *a.shape)), tree)
+
+    def local(self, per_worker: np.ndarray) -> np.ndarray:
+        """This process's rows of an array with a leading worker axis: all of them."""
+        return per_worker
+
+    def stacked(self, tree: Any) -> Any:
+        """This process's per-worker values with a leading axis over ``local_ranks``."""
+        return tree
+
+    def gather(self, tree: Any) -> Any:
+        """``stacked`` values of all workers, leading axis ``size``, on the root (else None)."""
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+
+    def mean_params(self, params: Any) -> Any:
+        # Sum then divide, in float32, as the MPI backend does.
+        return jax.tree.map(lambda a: np.asarray(a).sum(0) / np.float32(self.size), params)
+
+
+class MPIBackend:
+    """One worker per MPI rank (launch with ``mpiexec -n N``); the world size is the
+    number of workers. Metrics reach rank 0 through host-side mpi4py calls on a
+    communicator of their own, so they never interleave with the algorithms' traffic."""
+
+    name = "mpi"
+
+    def __init__(self):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.collective = MPICollective()
+        self.comm = MPI.COMM_WORLD.Clone()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.is_root = self.rank == 0
+        self.local_ranks = (self.rank,)
+
+    def spmd(self, fn):
+        return jax.jit(fn)
+
+    def replicate(self, tree: Any) -> Any:
+        return tree
+
+    def local(self, per_worker: np.ndarray) -> np.ndarray:
+        return per_worker[self.rank]
+
+    def stacked(self, tree: Any) -> Any:
+        return jax.tree.map(lambda a: np.asarray(a)[None], tree)
+
+    def gather(self, tree: Any) -> Any:
+        parts = self.comm.gather(jax.device_get(tree), root=0)
+        if not self.is_root:
+            return None
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+    def mean_params(self, params: Any) -> Any:
+        flat, unravel = ravel_pytree(params)
+        flat = np.ascontiguousarray(np.asarray(flat))
+        total = np.empty_like(flat) if self.is_root else None
+        self.comm.Reduce(flat, total, op=self._MPI.SUM, root=0)
+        if not self.is_root:
+            return None
+        return unravel(jnp.asarray(total / np.float32(self.size)))
+
+    def abort(self, code: int = 1) -> None:
+        """Stop every rank: one rank's exception must not leave the others in a collective."""
+        self._MPI.COMM_WORLD.Abort(code)
+
+
+def make_backend(name: str, workers: int | None = None):
+    """``"sim"`` with ``workers`` workers, or ``"mpi"`` (one worker per rank)."""
+    if name == "sim":
+        return SimBackend(workers)
+    if name == "mpi":
+        return MPIBackend()
+    raise ValueError(f"backend must be 'sim' or 'mpi', got {name!r}")

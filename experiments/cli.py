@@ -1,0 +1,138 @@
+"""``shoal-run``: train a config's algorithms on simulated or MPI workers and report.
+
+Usage::
+
+    shoal-run experiments/configs/quickstart.py --workers 8
+    shoal-run quickstart --set steps=500 algorithms=ssgd,gtc
+    mpiexec -n 4 shoal-run quickstart --backend mpi
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import traceback
+from pathlib import Path
+
+from shoal.experiments import algorithms
+from shoal.experiments.backends import make_backend
+from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.report import summary_table, write_run
+from shoal.experiments.tasks import GaussianMixtureTask
+from shoal.experiments.train import train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shoal-run",
+        description="Train every algorithm of a config and write runs/<name>/ "
+        "(metrics.jsonl, metrics.csv, loss plots, summary.md).",
+    )
+    p.add_argument("config", help="config file (experiments/configs/*.py) or a bundled name")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="override config fields, e.g. --set steps=500 algorithms=ssgd,gtc",
+    )
+    p.add_argument(
+        "--workers", type=int, help="number of workers (with --backend mpi: the MPI world size)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=("sim", "mpi"),
+        default="sim",
+        help="sim: N workers in this process (vmap); mpi: one worker per rank under mpiexec",
+    )
+    p.add_argument("--out", type=Path, help="output folder (default: runs/<config name>)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def resolve_workers(backend: str, configured: int, requested: int | None, world: int) -> int:
+    """The number of workers: ``--workers`` (or the config) for ``sim``; the world size for
+    ``mpi``, where an explicit request that disagrees is an error."""
+    if backend == "sim":
+        return configured if requested is None else requested
+    if requested is not None and requested != world:
+        raise ConfigError(
+            f"--workers {requested} disagrees with the MPI world size {world}: "
+            f"launch with `mpiexec -n {requested}` or drop --workers"
+        )
+    return world
+
+
+def _setup(args, backend):
+    cfg = apply_overrides(load_config(args.config), args.overrides)
+    explicit = args.workers
+    if explicit is None and any(o.partition("=")[0].strip() == "workers" for o in args.overrides):
+        explicit = cfg.workers
+    if explicit is not None and explicit < 1:
+        raise ConfigError(f"--workers must be >= 1, got {explicit}")
+    world = backend.size if backend is not None else 1
+    workers = resolve_workers(args.backend, cfg.workers, explicit, world)
+    try:
+        cfg = dataclasses.replace(cfg, workers=workers)
+    except ValueError as e:
+        raise ConfigError(f"with {workers} workers: {e}") from None
+    algorithms.check_known(cfg.algorithms)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # MPI must exist before the config is resolved: its world size is the worker count.
+    backend = make_backend("mpi") if args.backend == "mpi" else None
+    is_root = backend is None or backend.is_root
+    try:
+        cfg = _setup(args, backend)
+    except ConfigError as e:
+        if is_root:  # every rank finds the same error; say it once
+            print(f"shoal-run: error: {e}", file=sys.stderr)
+        return 2
+    if backend is None:
+        backend = make_backend("sim", cfg.workers)
+
+    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
+    if args.backend == "mpi":
+        command = f"mpiexec -n {backend.size} {command}"
+    if is_root:
+        print(f"{cfg.name}: {cfg.workers} workers ({args.backend}), {cfg.steps} steps, "
+              f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
+    try:
+        task = GaussianMixtureTask(cfg)
+        results = [
+            train(cfg, task, backend, name, progress=not args.no_progress)
+            for name in cfg.algorithms
+        ]
+    except BaseException:
+        if args.backend == "mpi" and backend.size > 1:
+            traceback.print_exc()
+            sys.stderr.flush()
+            backend.abort(1)
+        raise
+    if not is_root:
+        return 0
+    out = args.out or Path("runs") / cfg.name
+    summaries = [r.summary for r in results]
+    write_run(
+        out,
+        cfg,
+        [rec for r in results for rec in r.records],
+        summaries,
+        backend=args.backend,
+        command=command,
+    )
+    print(summary_table(summaries))
+    print(f"wrote {out}/ (summary.md, metrics.jsonl, metrics.csv, loss_vs_step.png, "
+          f"loss_vs_mb.png)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

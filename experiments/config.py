@@ -1,0 +1,210 @@
+"""Experiment configs: a typed dataclass, loading from a Python file, ``--set`` overrides.
+
+A config file under ``experiments/configs/`` defines ``get_config()`` returning a
+`Config` (or a subclass with extra fields). ``--set key=value`` converts ``value``
+with the field's type annotation; nested dataclass fields take dotted keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import sys
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded, an unknown key, or a value of the wrong type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One experiment: a task, the algorithms to compare on it, and how to train them.
+
+    Every algorithm in ``algorithms`` trains from the same initial parameters on the
+    same batches. Algorithm hyper-parameters are plain typed fields read by the
+    builders in `shoal.experiments.algorithms`.
+    """
+
+    name: str = "experiment"
+    algorithms: tuple[str, ...] = ("ssgd",)
+
+    # Workers and schedule.
+    workers: int = 8
+    steps: int = 200
+    # Per worker: one global batch is ``workers * batch_size`` rows, worker r gets block r.
+    batch_size: int = 32
+    # Test metrics every ``eval_every`` steps and after the last one.
+    eval_every: int = 25
+    seed: int = 0
+
+    # Task: an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`).
+    num_classes: int = 10
+    num_features: int = 32
+    # Gaussian components per class, and the scale of their means relative to the unit
+    # noise (smaller is harder; 2 components at 0.6 give a Bayes accuracy near 89%).
+    components: int = 2
+    class_sep: float = 0.6
+    train_size: int = 8192
+    test_size: int = 2048
+    hidden: tuple[int, ...] = (64, 64)
+
+    # Local optimizer shared by the algorithms (SGD with heavy-ball momentum).
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+
+    def __post_init__(self):
+        # Config files may write lists; keep the value hashable and as annotated.
+        for f in ("algorithms", "hidden"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+        _check(self.name and "/" not in self.name, "name", "a non-empty str without '/'")
+        _check(len(self.algorithms) > 0, "algorithms", "at least one algorithm")
+        dupes = sorted({a for a in self.algorithms if self.algorithms.count(a) > 1})
+        _check(not dupes, "algorithms", f"distinct names (repeated: {', '.join(dupes)})")
+        for f in ("workers", "steps", "batch_size", "eval_every", "num_features", "components",
+                  "train_size", "test_size"):  # fmt: skip
+            _check(getattr(self, f) >= 1, f, "an int >= 1")
+        _check(self.num_classes >= 2, "num_classes", "an int >= 2")
+        _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
+        _check(self.class_sep > 0, "class_sep", "a float > 0")
+        _check(self.learning_rate > 0, "learning_rate", "a float > 0")
+        _check(0 <= self.momentum < 1, "momentum", "a float in [0, 1)")
+        _check(
+            self.workers * self.batch_size <= self.train_size,
+            "batch_size",
+            f"at most train_size / workers = {self.train_size // self.workers} "
+            f"(one global batch must fit in the training set)",
+        )
+
+
+def _check(ok: Any, field: str, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {field!r} must be {allowed}")
+
+
+def load_config(spec: str | Path) -> Config:
+    """Run ``get_config()`` from a config file.
+
+    ``spec`` is a path to a ``.py`` file, or the bare name of a bundled config
+    (``"quickstart"`` for ``experiments/configs/quickstart.py``).
+    """
+    path = Path(spec)
+    if not path.is_file() and path.suffix == "" and path.parent == Path("."):
+        path = Path(__file__).parent / "configs" / f"{spec}.py"
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {spec}")
+    # Registered in sys.modules so typing.get_type_hints can resolve a config subclass's
+    # annotations.
+    mod_name = f"_shoal_config_{path.stem}"
+    spec_ = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec_)
+    sys.modules[mod_name] = module
+    spec_.loader.exec_module(module)
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise ConfigError(f"{path} does not define get_config()")
+    cfg = get_config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(
+            f"{path}: get_config() must return a shoal.experiments.config.Config, "
+            f"got {type(cfg).__name__}"
+        )
+    return cfg
+
+
+def apply_overrides(cfg: Any, assignments: Iterable[str]) -> Any:
+    """Apply ``key=value`` strings in order; raises `ConfigError` naming the bad key or value."""
+    for item in assignments:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        cfg = _set(cfg, key.split("."), text.strip(), key)
+    return cfg
+
+
+def _set(obj: Any, path: list[str], text: str, key: str) -> Any:
+    names = [f.name for f in dataclasses.fields(obj)]
+    name = path[0]
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"unknown config key {key!r}{hint}; {type(obj).__name__} has: {', '.join(names)}"
+        )
+    current = getattr(obj, name)
+    if len(path) > 1:
+        if not dataclasses.is_dataclass(current):
+            raise ConfigError(f"config key {key!r}: {name!r} has no sub-fields")
+        value = _set(current, path[1:], text, key)
+    else:
+        value = parse_value(text, typing.get_type_hints(type(obj))[name], key)
+    try:
+        return dataclasses.replace(obj, **{name: value})
+    except ValueError as e:  # a config's own validation
+        raise ConfigError(f"--set {key}={text}: {e}") from None
+
+
+def parse_value(text: str, tp: Any, key: str = "value") -> Any:
+    """Convert ``text`` to the annotated type ``tp``: bool, int, float, str, ``X | None``,
+    ``Literal[...]`` and tuples (comma-separated, ``tuple[X, ...]`` or fixed length)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() in ("none", "null"):
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return parse_value(text, options[0], key)
+        raise ConfigError(f"cannot --set {key}: unsupported field type {tp}")
+    if origin is typing.Literal:
+        for a in args:
+            if str(a) == text:
+                return a
+        raise ConfigError(f"bad value for {key}: {text!r} is not one of {list(args)}")
+    if origin is tuple:
+        items = [t.strip() for t in text.split(",")] if text else []
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(parse_value(t, args[0], key) for t in items)
+        if len(items) != len(args):
+            raise ConfigError(f"bad value for {key}: expected {len(args)} comma-separated values")
+        return tuple(parse_value(t, a, key) for t, a in zip(items, args, strict=True))
+    if tp is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"bad value for {key}: {text!r} is not a bool (true/false)")
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            kind = "an int" if tp is int else "a float"
+            raise ConfigError(f"bad value for {key}: {text!r} is not {kind}") from None
+    if tp is str:
+        return text
+    raise ConfigError(f"cannot --set {key}: unsupported field type {tp}")
+
+
+def format_value(value: Any) -> str:
+    """The ``--set`` spelling of a field value (inverse of `parse_value`)."""
+    if isinstance(value, tuple):
+        return ",".join(format_value(v) for v in value)
+    return str(value)
+
+
+def flatten(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """``(dotted key, --set spelling)`` for every field, nested dataclasses included."""
+    rows = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += flatten(value, f"{prefix}{f.name}.")
+        else:
+            rows.append((prefix + f.name, format_value(value)))
+    return rows
