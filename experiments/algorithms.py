@@ -11,6 +11,10 @@ runs on its own gradients; the runner applies the updates. To add an algorithm::
 
 and give `Config` (or the config file's subclass of it) typed fields for its
 hyper-parameters, so that ``--set gtc_threshold=0.01`` works.
+
+An entry of ``Config.algorithms`` may carry its own overrides in brackets, separated
+by ``;``: ``"gtc[gtc_threshold=0.01;gtc_capacity=0.05]"`` trains ``gtc`` with those
+fields changed (sweeps list several such entries; the label is the whole entry).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import optax
 
 from shoal.comms import Collective
 from shoal.experiments.config import Config, ConfigError
-from shoal.optim import allreduce_gradients
+from shoal.optim import allreduce_gradients, gtc
 
 Builder = Callable[[Config, Collective], optax.GradientTransformation]
 
@@ -41,18 +45,40 @@ def register(name: str) -> Callable[[Builder], Builder]:
     return add
 
 
-def check_known(names: tuple[str, ...]) -> None:
+def parse_entry(entry: str) -> tuple[str, list[str]]:
+    """``"name[k1=v1;k2=v2]"`` -> ``("name", ["k1=v1", "k2=v2"])``."""
+    name, bracket, rest = entry.partition("[")
+    if not bracket:
+        return entry.strip(), []
+    if not rest.endswith("]"):
+        raise ConfigError(f"algorithm entry {entry!r}: expected name[key=value;...]")
+    return name.strip(), [a for a in rest[:-1].split(";") if a.strip()]
+
+
+def check_known(entries: tuple[str, ...], cfg: Config | None = None) -> None:
+    """Every entry names a registered algorithm (and, given ``cfg``, its overrides apply)."""
+    names = [parse_entry(e)[0] for e in entries]
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown:
         raise ConfigError(
             f"unknown algorithm(s) {', '.join(map(repr, unknown))}; "
             f"registered: {', '.join(sorted(ALGORITHMS))}"
         )
+    if cfg is not None:
+        for e in entries:
+            entry_config(e, cfg)
 
 
-def build(name: str, cfg: Config, collective: Any) -> optax.GradientTransformation:
-    check_known((name,))
-    return ALGORITHMS[name](cfg, collective)
+def entry_config(entry: str, cfg: Config) -> Config:
+    """The config ``entry`` trains with: ``cfg`` plus the entry's bracketed overrides."""
+    from shoal.experiments.config import apply_overrides
+
+    return apply_overrides(cfg, parse_entry(entry)[1])
+
+
+def build(entry: str, cfg: Config, collective: Any) -> optax.GradientTransformation:
+    check_known((entry,))
+    return ALGORITHMS[parse_entry(entry)[0]](entry_config(entry, cfg), collective)
 
 
 def local_sgd(cfg: Config) -> optax.GradientTransformation:
@@ -64,3 +90,11 @@ def local_sgd(cfg: Config) -> optax.GradientTransformation:
 def ssgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous SGD: all-reduce (mean) the gradients every step, then `local_sgd`."""
     return optax.chain(allreduce_gradients(collective=collective), local_sgd(cfg))
+
+
+@register("gtc")
+def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""
+    return optax.chain(
+        gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity), local_sgd(cfg)
+    )

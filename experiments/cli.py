@@ -80,7 +80,7 @@ def _setup(args, backend):
         cfg = dataclasses.replace(cfg, workers=workers)
     except ValueError as e:
         raise ConfigError(f"with {workers} workers: {e}") from None
-    algorithms.check_known(cfg.algorithms)
+    algorithms.check_known(cfg.algorithms, cfg)
     return cfg
 
 

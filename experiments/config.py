@@ -58,6 +58,11 @@ class Config:
     learning_rate: float = 0.05
     momentum: float = 0.9
 
+    # GTC (`shoal.optim.gtc`): threshold tau, and words per worker per step as a
+    # fraction of the parameters.
+    gtc_threshold: float = 0.1
+    gtc_capacity: float = 0.08
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -74,6 +79,8 @@ class Config:
         _check(self.class_sep > 0, "class_sep", "a float > 0")
         _check(self.learning_rate > 0, "learning_rate", "a float > 0")
         _check(0 <= self.momentum < 1, "momentum", "a float in [0, 1)")
+        _check(self.gtc_threshold > 0, "gtc_threshold", "a float > 0")
+        _check(0 < self.gtc_capacity <= 1, "gtc_capacity", "a float in (0, 1]")
         _check(
             self.workers * self.batch_size <= self.train_size,
             "batch_size",

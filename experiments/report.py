@@ -22,6 +22,7 @@ COLUMNS = (
     "bytes_received",
     "mb_sent",
     "mb_received",
+    "density",
     "time_s",
 )
 # (summary key, table header, format)
@@ -33,6 +34,7 @@ SUMMARY_COLUMNS = (
     ("test_accuracy", "test acc", "{:.2%}"),
     ("mb_sent", "MB sent/worker", "{:.3f}"),
     ("mb_received", "MB recv/worker", "{:.3f}"),
+    ("density", "sent/elements", "{:.2%}"),
     ("wall_s", "wall s", "{:.1f}"),
 )
 PLOTS = ("loss_vs_step.png", "loss_vs_mb.png")
@@ -45,7 +47,8 @@ def summary_table(summaries: Sequence[dict[str, Any]]) -> str:
         "|" + "|".join("---" if k == "algorithm" else "---:" for k, _, _ in SUMMARY_COLUMNS) + "|",
     ]
     for s in summaries:
-        lines.append("| " + " | ".join(f.format(s[k]) for k, _, f in SUMMARY_COLUMNS) + " |")
+        cells = ("-" if s.get(k) is None else f.format(s[k]) for k, _, f in SUMMARY_COLUMNS)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -14,6 +15,7 @@ from tqdm.auto import tqdm
 from shoal.comms import wire_bytes
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config
+from shoal.optim.gtc import sent_fraction
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
 
@@ -42,7 +44,10 @@ def make_step(loss_fn, tx: optax.GradientTransformation):
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         wire = wire_bytes(opt_state)
-        return params, opt_state, (loss, wire.sent, wire.received)
+        # Sparsifiers move a fixed-capacity buffer; their density says how full it was.
+        density = sent_fraction(opt_state)
+        density = jnp.float32(jnp.nan) if density is None else density
+        return params, opt_state, (loss, wire.sent, wire.received, density)
 
     return step
 
@@ -79,7 +84,7 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
         avg = backend.mean_params(params) if evaluate else None
         if not backend.is_root:
             continue
-        loss, sent, received = gathered
+        loss, sent, received, density = gathered
         sent_total += sent.astype(np.int64)
         received_total += received.astype(np.int64)
         rec = {
@@ -91,6 +96,8 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
             "mb_sent": float(sent_total.mean() / MB),
             "mb_received": float(received_total.mean() / MB),
         }
+        if not np.isnan(density).any():
+            rec["density"] = float(np.mean(density, dtype=np.float64))
         if evaluate:
             rec["test_loss"], rec["test_accuracy"] = task.evaluate(avg)
         rec["time_s"] = time.perf_counter() - start
@@ -112,6 +119,9 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
             "test_accuracy": last["test_accuracy"],
             "mb_sent": last["mb_sent"],
             "mb_received": last["mb_received"],
+            "density": float(np.mean([r["density"] for r in records]))
+            if "density" in last
+            else None,
             "wall_s": wall,
         }
     return RunResult(algorithm, records, summary, backend.stacked(params))

@@ -1,5 +1,16 @@
 """shoal.optim: communication-efficient algorithms as Optax gradient transformations."""
 
 from shoal.optim.allreduce import AllReduceState, allreduce_gradients
+from shoal.optim.bmuf import BMUFState, bmuf
+from shoal.optim.bmuf_gtc import bmuf_gtc
+from shoal.optim.gtc import GTCState, gtc
 
-__all__ = ["AllReduceState", "allreduce_gradients"]
+__all__ = [
+    "AllReduceState",
+    "BMUFState",
+    "GTCState",
+    "allreduce_gradients",
+    "bmuf",
+    "bmuf_gtc",
+    "gtc",
+]

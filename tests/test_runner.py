@@ -41,7 +41,9 @@ pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner tests star
 QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 WORKERS = 4
 STEPS = 12
-SMALL = ["--workers", str(WORKERS), "--set", f"steps={STEPS}", "eval_every=5", "--no-progress"]
+ALGORITHMS = ("ssgd", "gtc")
+SMALL = ["--workers", str(WORKERS), "--set", f"steps={STEPS}", "eval_every=5",
+         "algorithms=" + ",".join(ALGORITHMS), "--no-progress"]  # fmt: skip
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -108,29 +110,37 @@ def test_mpi_backend_matches_sim(sim_run, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     sim, mpi = read_jsonl(sim_run / "metrics.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
-    assert len(mpi) == len(sim) == STEPS
+    assert len(mpi) == len(sim) == STEPS * len(ALGORITHMS)
     np.testing.assert_allclose([r["loss"] for r in mpi], [r["loss"] for r in sim], rtol=1e-5)
     for key in ("test_loss", "test_accuracy"):
         s = [r[key] for r in sim if key in r]
         m = [r[key] for r in mpi if key in r]
-        assert len(s) == len(m) == 3  # steps 5, 10 and the last
+        assert len(s) == len(m) == 3 * len(ALGORITHMS)  # steps 5, 10 and the last
         np.testing.assert_allclose(m, s, rtol=1e-5, err_msg=key)
-    for key in ("step", "bytes_sent", "bytes_received", "mb_sent", "mb_received"):
+    for key in ("algorithm", "step", "bytes_sent", "bytes_received", "mb_sent", "mb_received"):
         assert [r[key] for r in mpi] == [r[key] for r in sim], key
+    np.testing.assert_allclose(
+        [r["density"] for r in mpi if "density" in r], [r["density"] for r in sim if "density" in r]
+    )
     assert "backend `mpi`" in (tmp_path / "summary.md").read_text()
 
 
 def test_outputs_are_consistent(sim_run):
-    recs = read_jsonl(sim_run / "metrics.jsonl")
+    all_recs = read_jsonl(sim_run / "metrics.jsonl")
+    assert [r["algorithm"] for r in all_recs] == [a for a in ALGORITHMS for _ in range(STEPS)]
+    # GTC reports how full its fixed-capacity buffer was; S-SGD has no such number.
+    assert all(0 < r["density"] <= 0.08 for r in all_recs if r["algorithm"] == "gtc")
+    assert not any("density" in r for r in all_recs if r["algorithm"] == "ssgd")
+    recs = [r for r in all_recs if r["algorithm"] == "ssgd"]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
-    assert {r["algorithm"] for r in recs} == {"ssgd"}
     assert [r["step"] for r in recs if "test_loss" in r] == [5, 10, STEPS]
     assert all(0 <= r["test_accuracy"] <= 1 for r in recs if "test_accuracy" in r)
     assert np.all(np.diff([r["mb_sent"] for r in recs]) > 0)
 
     with open(sim_run / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == STEPS
+    assert len(rows) == STEPS * len(ALGORITHMS)
+    rows = rows[:STEPS]
     assert [float(r["loss"]) for r in rows] == [r["loss"] for r in recs]
     assert [r["test_loss"] for r in rows][:4] == ["", "", "", ""]
     assert float(rows[4]["test_loss"]) == recs[4]["test_loss"]
@@ -143,7 +153,7 @@ def test_outputs_are_consistent(sim_run):
     assert "| algorithm | steps | train loss | test loss | test acc | MB sent/worker" in summary
     assert f"| ssgd | {STEPS} | {last['loss']:.4f} | {last['test_loss']:.4f} | " in summary
     assert f"| {last['mb_sent']:.3f} |" in summary
-    assert "| `workers` | `4` |" in summary and "| `algorithms` | `ssgd` |" in summary
+    assert "| `workers` | `4` |" in summary and "| `algorithms` | `ssgd,gtc` |" in summary
 
 
 def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
@@ -201,3 +211,19 @@ def test_override_errors(capsys):
     assert "unknown algorithm(s) 'nope'" in capsys.readouterr().err
     assert main([str(QUICKSTART), "--workers", "1000"]) == 2
     assert "batch_size" in capsys.readouterr().err
+    # An entry's bracketed overrides are checked before any training.
+    assert main([str(QUICKSTART), "--set", "algorithms=gtc[gtc_threshold=-1]"]) == 2
+    assert "gtc_threshold" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "--set", "algorithms=gtc[gtc_threshold=0.1"]) == 2
+    assert "expected name[key=value;...]" in capsys.readouterr().err
+
+
+def test_entry_overrides_reach_the_builder():
+    cfg = Config()
+    assert algorithms.parse_entry("gtc[gtc_threshold=0.2;gtc_capacity=0.5]") == (
+        "gtc",
+        ["gtc_threshold=0.2", "gtc_capacity=0.5"],
+    )
+    sub = algorithms.entry_config("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", cfg)
+    assert (sub.gtc_threshold, sub.gtc_capacity) == (0.2, 0.5)
+    assert algorithms.entry_config("gtc", cfg) == cfg

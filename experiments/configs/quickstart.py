@@ -1,4 +1,4 @@
-"""Quickstart: synchronous SGD on 8 simulated workers, well under a minute on 2 CPU cores.
+"""Quickstart: S-SGD and GTC on 8 simulated workers, well under a minute on 2 CPU cores.
 
 Run with ``shoal-run experiments/configs/quickstart.py --workers 8`` (``make run``).
 """
@@ -9,7 +9,7 @@ from shoal.experiments.config import Config
 def get_config() -> Config:
     return Config(
         name="quickstart",
-        algorithms=("ssgd",),
+        algorithms=("ssgd", "gtc"),
         workers=8,
         steps=200,
         batch_size=32,

@@ -1,0 +1,200 @@
+"""GTC pack/unpack: gradient threshold compression as fixed-capacity 32-bit words.
+
+Strom's threshold compression (GTC; Ladkat et al., section 2.1) sends, for every element
+whose magnitude exceeds a threshold ``tau``, only ``+tau`` or ``-tau``, packed with the
+element's flat index into one 32-bit word, and keeps the rest as a residual:
+
+.. math::
+
+    q_i = \\begin{cases} \\operatorname{sign}(v_i)\\,\\tau & |v_i| > \\tau
+          \\text{ and } i \\text{ is sent} \\\\ 0 & \\text{otherwise} \\end{cases}
+    \\qquad r = v - q,
+    \\qquad w_i = i \\;|\\; [v_i < 0] \\ll 31 .
+
+Shapes are static, so at most ``capacity`` words are sent per call; when more elements
+qualify, the first ``capacity`` of them in cyclic index order from ``offset`` are sent,
+and the others stay in the residual for a later step (a rotating ``offset`` keeps any
+index range from starving).
+
+Each function dispatches to a Pallas (Triton) kernel on GPU and to a pure-jnp reference
+elsewhere; both give bit-identical results.
+
+References:
+    N. Strom, "Scalable distributed DNN training using commodity GPU cloud computing",
+    Interspeech 2015.
+    P. Ladkat, O. Rybakov, R. Arava, S. H. K. Parthasarathi, I-F. Chen, N. Strom,
+    "Two Tiered Distributed Training Algorithm for Acoustic Modeling", section 2.1.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from shoal.kernels.gtc_pallas import gtc_pack_pallas, gtc_unpack_pallas
+from shoal.kernels.gtc_reference import gtc_pack_reference, gtc_unpack_reference
+
+__all__ = ["gtc_pack", "gtc_unpack"]
+
+_MAX_SIZE = 2**31 - 1  # indices live in bits 0-30 of a word
+_IMPLS = (None, "reference", "pallas")
+
+
+def _use_pallas(impl: str | None) -> bool:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be None, 'reference' or 'pallas', got {impl!r}")
+    if impl is None:
+        return jax.default_backend() == "gpu"
+    return impl == "pallas"
+
+
+def _static_int(value, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a static Python int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _scalar(x, name: str, integer: bool) -> jax.Array:
+    """``x`` as an int32 (integer) or float32 scalar, after checking its type and rank."""
+    dtype = jnp.result_type(x)
+    real = jnp.issubdtype(dtype, jnp.integer) or (
+        not integer and jnp.issubdtype(dtype, jnp.floating)
+    )
+    if not real or dtype == jnp.bool_:
+        raise TypeError(
+            f"{name} must be {'an integer' if integer else 'a real'} scalar, got dtype {dtype}"
+        )
+    if jnp.ndim(x) != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
+    return jnp.asarray(x, jnp.int32 if integer else jnp.float32)
+
+
+def gtc_pack(
+    values: jax.Array,
+    tau: jax.Array | float,
+    capacity: int,
+    offset: jax.Array | int = 0,
+    *,
+    impl: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Threshold-compress ``values`` into at most ``capacity`` signed-index words.
+
+    An element qualifies iff ``|v| > tau`` (strict: ``|v| == tau`` is kept; NaN never
+    qualifies; +-Inf does). Walking the indices cyclically from ``offset``
+    (``offset, ..., n-1, 0, ..., offset-1``), the first ``capacity`` qualifying elements
+    are sent, all of them if fewer qualify.
+
+    Args:
+      values: float32[n], 1-D, ``n <= 2**31 - 1``. Donate it under ``jax.jit`` when it
+        is dead afterwards: the residual then updates it in place (the usual case for
+        an error-feedback buffer).
+      tau: positive float32 scalar, may be traced. It should be a normal float32
+        (``>= 2**-103``) so that no subnormal arises: XLA:CPU flushes subnormals to 0.
+      capacity: static int in ``[1, n]``, the number of words.
+      offset: int32 scalar in ``[0, n)``, may be traced (then it is taken modulo ``n``).
+      impl: ``None`` (Pallas on GPU, jnp reference elsewhere), ``"reference"`` or
+        ``"pallas"`` (interpreted when the backend is not a GPU).
+
+    Returns:
+      ``(words, count, remainder)``: ``words`` int32[capacity] holds the sent elements in
+      increasing index order, ``word = index | (1 << 31 if v < 0)`` (negative words
+      carry ``-tau``), then zeros; ``count`` int32 is the number sent; ``remainder``
+      float32[n] is ``v - tau`` / ``v + tau`` at the sent positives / negatives and
+      bit-identical to ``values`` (NaN and -0.0 included) everywhere else.
+    """
+    use_pallas = _use_pallas(impl)
+    # Check the caller's dtype before jnp.asarray could silently narrow float64.
+    if getattr(values, "dtype", jnp.float32) != jnp.float32:
+        raise TypeError(f"values must be float32, got dtype {values.dtype}")
+    values = jnp.asarray(values)
+    if values.dtype != jnp.float32:
+        raise TypeError(f"values must be float32, got dtype {values.dtype}")
+    if values.ndim != 1:
+        raise ValueError(f"values must be 1-D, got shape {values.shape}")
+    n = values.shape[0]
+    if n > _MAX_SIZE:
+        raise ValueError(f"values must have at most 2**31 - 1 elements, got {n}")
+    capacity = _static_int(capacity, "capacity", 1, n)
+    tau = _scalar(tau, "tau", integer=False)
+    if _is_concrete(tau) and not float(tau) > 0:
+        raise ValueError(f"tau must be positive, got {float(tau)}")
+    offset = _scalar(offset, "offset", integer=True)
+    if _is_concrete(offset) and not 0 <= int(offset) < n:
+        raise ValueError(f"offset must be in [0, {n - 1}], got {int(offset)}")
+    offset = offset % n
+    return _pack(values, tau, offset, capacity=capacity, use_pallas=use_pallas)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "use_pallas"))
+def _pack(values, tau, offset, *, capacity, use_pallas):
+    if use_pallas:
+        interpret = jax.default_backend() != "gpu"
+        return gtc_pack_pallas(values, tau, capacity, offset, interpret=interpret)
+    return gtc_pack_reference(values, tau, capacity, offset)
+
+
+def gtc_unpack(
+    words: jax.Array,
+    count: jax.Array | int,
+    tau: jax.Array | float,
+    size: int,
+    *,
+    impl: str | None = None,
+) -> jax.Array:
+    """Decode GTC words into a dense float32[size]: the sum of their +-tau.
+
+    ``words`` int32[..., capacity] and ``count`` int32[...] share their leading
+    dimensions (the plain case is one buffer: ``words[capacity]`` and a scalar
+    ``count``); slots ``>= count`` are ignored, and all buffers are summed, so P
+    workers' all-gathered buffers ``[P, capacity]`` decode in one call. Per element the
+    result is ``tau * (#plus - #minus)``, computed from exact integer counts, so it
+    does not depend on the order of the buffers. Words with an index ``>= size`` are
+    ignored.
+
+    Args:
+      words: int32[..., capacity] as produced by :func:`gtc_pack`.
+      count: int32[...], the number of valid words of each buffer.
+      tau: float32 scalar, may be traced.
+      size: static int in ``[1, 2**31 - 1]``, the length of the dense output.
+      impl: as for :func:`gtc_pack`.
+    """
+    use_pallas = _use_pallas(impl)
+    if getattr(words, "dtype", jnp.int32) != jnp.int32:
+        raise TypeError(f"words must be int32, got dtype {words.dtype}")
+    words = jnp.asarray(words)
+    count = jnp.asarray(count)
+    if words.dtype != jnp.int32:
+        raise TypeError(f"words must be int32, got dtype {words.dtype}")
+    if words.ndim < 1 or words.shape[-1] < 1:
+        raise ValueError(f"words must have shape [..., capacity >= 1], got {words.shape}")
+    if not jnp.issubdtype(count.dtype, jnp.integer):
+        raise TypeError(f"count must be an integer array, got dtype {count.dtype}")
+    if count.shape != words.shape[:-1]:
+        raise ValueError(
+            f"count must have shape {words.shape[:-1]} (the leading dimensions of words), "
+            f"got {count.shape}"
+        )
+    size = _static_int(size, "size", 1, _MAX_SIZE)
+    tau = _scalar(tau, "tau", integer=False)
+    return _unpack(words, count.astype(jnp.int32), tau, size=size, use_pallas=use_pallas)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "use_pallas"))
+def _unpack(words, count, tau, *, size, use_pallas):
+    if use_pallas:
+        interpret = jax.default_backend() != "gpu"
+        return gtc_unpack_pallas(words, count, tau, size, interpret=interpret)
+    return gtc_unpack_reference(words, count, tau, size)

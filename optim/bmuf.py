@@ -1,0 +1,295 @@
+"""BMUF: blockwise model-update filtering (Chen & Huo 2016), as an Optax transformation.
+
+Each of ``N`` workers runs an inner optimizer on its own data for ``block_size`` steps,
+starting from the global model ``W_g(t-1)``; then one all-reduce and the BMUF step::
+
+    Wbar(t)  = (1/N) sum_i W_i(t)                           (1)
+    G(t)     = Wbar(t) - W_g(t-1)                           (2)
+    Delta(t) = eta_t Delta(t-1) + zeta_t G(t)               (3)
+
+after which every worker restarts from the new global model ``W_g(t)`` (below).
+
+References:
+  Chen & Huo, "Scalable training of deep learning machines by incremental block training
+  with intra-block parallel optimization and blockwise model-update filtering",
+  ICASSP 2016. Ladkat et al., "Two Tiered Distributed Training Algorithm for Acoustic
+  Modeling", section 2.2, eqs. (1)-(5). Douillard et al., "DiLoCo: Distributed
+  Low-Communication Training of Language Models", 2023.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from shoal.comms.collective import Collective
+from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.optim.validation import (
+    check_collective,
+    check_floating_leaves,
+    check_positive,
+    concrete_float,
+)
+
+NBM_VARIANTS = ("seed", "chen_huo")
+
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+
+
+class BMUFState(NamedTuple):
+    """State of `bmuf` (and `shoal.optim.bmuf_gtc.bmuf_gtc`).
+
+    Attributes:
+      inner_state: state of the per-step local optimizer (reset after each BMUF step when
+        ``reset_inner_state``).
+      global_params: ``W_g``, the model every worker (re)started the current block from.
+      delta: ``Delta``, the block momentum buffer (zeros until the first BMUF step).
+      filtered: ``W``, the filtered model without the Nesterov look-ahead (only with
+        ``nesterov=True, nbm="chen_huo"``; None otherwise).
+      step: int32 count of updates done (warm-up included).
+      block: int32 count of BMUF steps done, the 0-based index of the next one.
+      wire: bytes of this transformation's own collectives in the most recent update.
+    """
+
+    inner_state: Any
+    global_params: Any
+    delta: Any
+    filtered: Any
+    step: jax.Array
+    block: jax.Array
+    wire: WireCount
+
+
+def bmuf(
+    inner: optax.GradientTransformation,
+    *,
+    collective: Collective,
+    block_size: int,
+    block_lr: ScalarOrSchedule = 1.0,
+    block_momentum: ScalarOrSchedule | None = None,
+    nesterov: bool = True,
+    nbm: str = "seed",
+    warmup_steps: int = 0,
+    reset_inner_state: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Blockwise model-update filtering around any optax optimizer ``inner``.
+
+    ``update(grads, state, params)`` returns updates such that
+    ``optax.apply_updates(params, updates)`` is this worker's next model: the local
+    step of ``inner`` on its own gradient, or, on every ``block_size``-th step, the new
+    global model ``W_g(t)`` that all workers restart from (as ``W_g(t) - params``, so
+    exact up to one rounding; ``state.global_params`` holds it exactly). Only that step
+    communicates: one all-reduce of the param-sized ``W_i - W_g(t-1)`` inside a
+    ``lax.cond`` on the rank-uniform step counter, ``2 (N - 1) / N`` times the param
+    bytes each way in ``state.wire`` (0 on the other steps). With ``t`` the 1-based
+    index of the BMUF step and eqs. (1)-(3) above (``Delta(0) = 0``):
+
+    * classic block momentum (``nesterov=False``)::
+
+          W_g(t) = W_g(t-1) + Delta(t)
+
+      i.e. heavy-ball ``optax.sgd(zeta, momentum=eta)`` on the outer gradient ``-G``.
+    * Nesterov, ``nbm="seed"`` (the paper's eq. 4; fairseq's and CNTK's BMUF)::
+
+          W_g(t) = W_g(t-1) + Delta(t) + eta_{t+1} Delta(t)
+
+      ``W_g`` is the look-ahead restart point, and ``G`` is measured against it; the
+      look-ahead is never taken back, so for constant ``eta`` this is heavy-ball with
+      block learning rate ``(1 + eta) zeta``.
+    * Nesterov, ``nbm="chen_huo"`` (two buffers, Chen & Huo's NBM)::
+
+          W(t)   = W(t-1) + Delta(t)              (the filtered model, state.filtered)
+          W_g(t) = W(t) + eta_{t+1} Delta(t)      (the look-ahead restart point)
+
+      ``G`` is again measured against the restart point ``W_g(t-1)``. With constant
+      ``zeta`` (outer learning rate) and ``eta`` (outer momentum) this is exactly
+      DiLoCo's outer step, ``optax.sgd(zeta, momentum=eta, nesterov=True)`` applied to
+      ``W_g(t-1)`` with the outer gradient ``W_g(t-1) - Wbar(t)`` (use
+      ``reset_inner_state=False`` and an AdamW ``inner`` for DiLoCo itself). Evaluate
+      the filtered model ``state.filtered``.
+
+    Defaults follow eq. (5), ``zeta / (N (1 - eta)) = C`` with ``C = 1``: ``zeta = 1``,
+    ``eta = 1 - zeta / N`` (``N = collective.size``, the number of models averaged).
+
+    Start: ``W_g(0)`` is the ``params`` given to ``init``, so every worker must init
+    from the same model, e.g. ``params = collective.broadcast(params, 0)`` first.
+
+    Args:
+      inner: the local optimizer, any optax transformation (run every step on this
+        worker's gradient; during warm-up on the mean gradient).
+      collective: the workers whose models are averaged (`shoal.comms.Collective`).
+      block_size: local steps per block (int >= 1).
+      block_lr: ``zeta > 0``, a float or an optax schedule.
+      block_momentum: ``eta`` in ``[0, 1)``, a float, a schedule, or None for
+        ``1 - zeta_t / N``. Schedules of ``zeta`` and ``eta`` are called with the
+        0-based index ``s = t - 1`` of the BMUF step (the count of BMUF steps done,
+        like optax's count): ``zeta_t = block_lr(s)``, ``eta_t = block_momentum(s)``, and
+        the look-ahead ``eta_{t+1} = block_momentum(s + 1)``.
+      nesterov: Nesterov block momentum (NBM) or classic block momentum.
+      nbm: ``"seed"`` or ``"chen_huo"``, the NBM variant (ignored when not nesterov).
+      warmup_steps: steps of synchronous SGD (``inner`` on the all-reduced mean
+        gradient, counted in ``state.wire``) before block training starts; ``W_g``
+        (and ``W``) track the synchronised model, so the first block starts from it.
+      reset_inner_state: after every BMUF step re-init ``inner``'s state (CNTK's
+        ``resetSGDMomentum``) instead of keeping it (DiLoCo).
+
+    With ``optax.inject_hyperparams``, pass ``static_args=("block_size", "nesterov",
+    "nbm", "warmup_steps", "reset_inner_state")``; ``block_lr`` and ``block_momentum``
+    may then be injected.
+    """
+    inner = optax.with_extra_args_support(inner)
+    reset = (lambda inner_state, params: inner.init(params)) if reset_inner_state else None
+    return block_update_filtering(
+        inner,
+        collective=collective,
+        block_size=block_size,
+        block_lr=block_lr,
+        block_momentum=block_momentum,
+        nesterov=nesterov,
+        nbm=nbm,
+        warmup_steps=warmup_steps,
+        reset_local_state=reset,
+    )
+
+
+def block_update_filtering(
+    local: optax.GradientTransformationExtraArgs,
+    *,
+    collective: Collective,
+    block_size: int,
+    block_lr: ScalarOrSchedule,
+    block_momentum: ScalarOrSchedule | None,
+    nesterov: bool,
+    nbm: str,
+    warmup_steps: int = 0,
+    reset_local_state: Callable[[Any, Any], Any] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The BMUF core shared by `bmuf` and `bmuf_gtc`: ``local`` (which may communicate,
+    e.g. GTC inside a group) makes every step; every ``block_size`` steps the models
+    are filtered over ``collective``. ``reset_local_state(state, W_g)`` is applied to
+    ``local``'s state after each BMUF step (None: keep it)."""
+    check_collective(collective)
+    _check_int("block_size", block_size, 1)
+    _check_int("warmup_steps", warmup_steps, 0)
+    if nbm not in NBM_VARIANTS:
+        raise ValueError(f"nbm must be one of {NBM_VARIANTS}, got {nbm!r}")
+    n_models = collective.size
+    zeta_fn = _schedule("block_lr", block_lr, check_positive)
+    if block_momentum is None:
+        lr = None if callable(block_lr) else concrete_float(block_lr)
+        if lr is not None:
+            _check_block_momentum("block_momentum", 1.0 - lr / n_models, default=True)
+        eta_fn = lambda s: 1.0 - zeta_fn(s) / n_models  # eq. (5) with C = 1
+    else:
+        eta_fn = _schedule("block_momentum", block_momentum, _check_block_momentum)
+    two_buffers = nesterov and nbm == "chen_huo"
+
+    def init_fn(params):
+        check_floating_leaves("params", params)
+        return BMUFState(
+            inner_state=local.init(params),
+            global_params=jax.tree.map(jnp.array, params),
+            delta=jax.tree.map(jnp.zeros_like, params),
+            filtered=jax.tree.map(jnp.array, params) if two_buffers else None,
+            step=jnp.zeros((), jnp.int32),
+            block=jnp.zeros((), jnp.int32),
+            wire=WireCount.zero(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("bmuf needs params: call update(grads, state, params)")
+        in_warmup = state.step < warmup_steps
+        if warmup_steps:
+            updates = lax.cond(
+                in_warmup, lambda g: collective.all_reduce(g, "mean"), lambda g: g, updates
+            )
+        local_updates, local_state = local.update(updates, state.inner_state, params, **extra_args)
+        new_local = optax.apply_updates(params, local_updates)
+        keep = (state.global_params, state.delta, state.filtered, state.block)
+
+        def local_step():
+            return local_updates, local_state, *keep, WireCount.zero()
+
+        def warmup_step():
+            # Warm-up is S-SGD, so new_local is the same on every worker: W_g (and W)
+            # track it and the first block starts from the synchronised model.
+            tracked = _cast_like(new_local, state.global_params)
+            filtered = tracked if two_buffers else state.filtered
+            wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates), n_models))
+            return local_updates, local_state, tracked, state.delta, filtered, state.block, wire
+
+        def block_step():
+            s = state.block
+            zeta, eta, eta_next = zeta_fn(s), eta_fn(s), eta_fn(s + 1)
+            w_g = state.global_params
+            # All-reduce the block's progress rather than the models: same bytes, and the
+            # mean of small differences loses less precision than a difference of means.
+            g = collective.all_reduce(jax.tree.map(jnp.subtract, new_local, w_g), "mean")
+            delta = _lin(eta, state.delta, zeta, g)
+            filtered = state.filtered
+            if not nesterov:
+                w_g = _lin(1.0, w_g, 1.0, delta)
+            elif nbm == "seed":
+                w_g = _lin(1.0, _lin(1.0, w_g, 1.0, delta), eta_next, delta)
+            else:
+                filtered = _lin(1.0, filtered, 1.0, delta)
+                w_g = _lin(1.0, filtered, eta_next, delta)
+            restart = jax.tree.map(
+                lambda w, p, u: (w - p).astype(u.dtype), w_g, params, local_updates
+            )
+            new_state = local_state
+            if reset_local_state is not None:
+                new_state = _cast_like(reset_local_state(local_state, w_g), local_state)
+            wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), n_models))
+            return restart, new_state, w_g, delta, filtered, s + 1, wire
+
+        k = state.step + 1 - warmup_steps  # steps into block training, this one included
+        is_sync = (k >= 1) & (k % block_size == 0)
+        branches = [local_step, block_step] + ([warmup_step] if warmup_steps else [])
+        index = jnp.where(in_warmup, 2, is_sync.astype(jnp.int32)) if warmup_steps else is_sync
+        out, local_state, w_g, delta, filtered, block, wire = lax.switch(
+            jnp.asarray(index, jnp.int32), branches
+        )
+        return out, BMUFState(local_state, w_g, delta, filtered, state.step + 1, block, wire)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _lin(a, x, b, y):
+    """``a x + b y`` leaf-wise, kept in ``x``'s dtype."""
+    return jax.tree.map(lambda u, v: (a * u + b * v).astype(u.dtype), x, y)
+
+
+def _cast_like(tree, like):
+    # lax.switch needs every branch to return identical dtypes (weak types included).
+    return jax.tree.map(lambda x, ref: jnp.asarray(x).astype(jnp.result_type(ref)), tree, like)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_block_momentum(name: str, value: Any, default: bool = False) -> None:
+    v = concrete_float(value)
+    if v is not None and not 0.0 <= v < 1.0:
+        if default:
+            raise ValueError(
+                f"the default {name} = 1 - block_lr / N = {v:g} is outside [0, 1); "
+                f"pass block_momentum explicitly"
+            )
+        raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
+
+
+def _schedule(name: str, value: Any, check: Callable[[str, Any], None]):
+    if callable(value):
+        return value
+    check(name, value)
+    return lambda s: value

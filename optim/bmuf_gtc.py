@@ -1,0 +1,97 @@
+"""Two-tier BMUF_GTC (Ladkat et al., section 2.3, Fig. 1): GTC inside groups, BMUF across.
+
+``N`` workers form ``M`` groups of ``P = N / M`` consecutive workers. Every step the
+workers of a group exchange threshold-compressed gradients (`shoal.optim.gtc.gtc` over
+``intra``) and apply the same mean update with the inner optimizer, so the ``P`` models
+of a group stay identical. Every ``block_size`` steps the ``M`` group models take the
+BMUF step of `shoal.optim.bmuf.bmuf` over ``inter`` (``N`` replaced by ``M`` in eq. 5),
+and every worker restarts from the new global model.
+
+References:
+  Ladkat et al., "Two Tiered Distributed Training Algorithm for Acoustic Modeling",
+  sections 2.1-2.3. Chen & Huo, ICASSP 2016. Strom, Interspeech 2015.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from shoal.comms.collective import Collective
+from shoal.optim.bmuf import ScalarOrSchedule, block_update_filtering
+from shoal.optim.gtc import gtc
+from shoal.optim.validation import check_collective
+
+
+def bmuf_gtc(
+    inner: optax.GradientTransformation,
+    *,
+    intra: Collective,
+    inter: Collective,
+    block_size: int,
+    threshold: float,
+    capacity: int | float = 0.02,
+    block_lr: ScalarOrSchedule = 1.0,
+    block_momentum: ScalarOrSchedule | None = None,
+    nesterov: bool = True,
+    nbm: str = "seed",
+    reset_inner_state: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Two-tier training: GTC within each group of ``P`` workers, BMUF across the ``M`` groups.
+
+    Per step (lower tier): ``optax.chain(gtc(threshold, collective=intra,
+    capacity=capacity), inner)`` on this worker's gradient. Per block (upper tier): the
+    BMUF step of `shoal.optim.bmuf.bmuf` (same ``block_lr``, ``block_momentum``,
+    ``nesterov``, ``nbm``; default ``eta = 1 - zeta / M``) over ``inter``.
+
+    Communication: the paper lets one leader per group run the BMUF step and broadcast
+    the result inside its group. Here all ``P`` members take part instead: member ``p``
+    of every group all-reduces over ``inter`` (the workers at position ``p`` of all
+    groups, as `shoal.comms.two_tier` builds it). The ``P`` parallel all-reduces carry
+    identical data, because a group's models are identical, so every member computes
+    the same ``W_g`` and no broadcast is needed. Per worker and step, the bytes are
+    GTC's all-gather over ``intra`` (``(P - 1) * 4 * (capacity + 1)`` each way) plus, on
+    block steps only, the ring all-reduce of the model over ``inter``
+    (``2 (M - 1) / M * n`` each way, ``n`` = bytes of the params); `wire_bytes` of the
+    state sums both.
+
+    ``P = 1`` is `bmuf` (GTC is skipped: a group of one sends nothing, so there is
+    nothing to compress); ``M = 1`` with the default ``block_lr`` and
+    ``block_momentum`` (``zeta = 1, eta = 0``) is GTC chained with ``inner``, the BMUF
+    step only re-setting the model it already has. ``reset_inner_state`` re-inits
+    ``inner``'s state only; GTC's residuals are kept, so no gradient mass is lost.
+
+    Every worker must ``init`` from the same params, e.g. rank 0's:
+    ``params = intra.broadcast(inter.broadcast(params, 0), 0)``.
+
+    Args:
+      inner: the optimizer applied to the group's aggregated gradient, e.g. ``optax.sgd``.
+      intra: collective of the ``P`` workers of this worker's group.
+      inter: collective of the ``M`` workers at this worker's position in every group.
+      block_size: steps per block (int >= 1).
+      threshold: GTC's ``tau > 0``.
+      capacity: GTC's words per worker per step (see `shoal.optim.gtc.gtc`).
+      block_lr, block_momentum, nesterov, nbm, reset_inner_state: as in `bmuf`.
+
+    State: `shoal.optim.bmuf.BMUFState`; its ``inner_state`` is the chain state
+    ``(GTCState, inner state)``, or the inner state alone when ``P = 1``.
+    """
+    check_collective(intra)
+    check_collective(inter)
+    compress = gtc(threshold, collective=intra, capacity=capacity)  # validates tau, capacity
+    inner = optax.with_extra_args_support(inner)
+    if intra.size == 1:
+        local = inner
+        reset = lambda local_state, params: inner.init(params)
+    else:
+        local = optax.chain(compress, inner)
+        reset = lambda local_state, params: (local_state[0], inner.init(params))
+    return block_update_filtering(
+        local,
+        collective=inter,
+        block_size=block_size,
+        block_lr=block_lr,
+        block_momentum=block_momentum,
+        nesterov=nesterov,
+        nbm=nbm,
+        reset_local_state=reset if reset_inner_state else None,
+    )

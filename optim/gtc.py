@@ -1,0 +1,195 @@
+"""GTC: gradient threshold compression (Strom 2015) with a fused 1+31-bit exchange.
+
+Per worker ``i`` and element, with the residual ``r_i`` starting at 0::
+
+    a   = g_i + r_i
+    q_i = +tau where a > tau, -tau where a < -tau, 0 elsewhere
+    r_i <- a - q_i
+    update = (1/N) sum_j q_j   (average=True)   or   sum_j q_j   (average=False)
+
+References:
+  Strom, "Scalable distributed DNN training using commodity GPU cloud computing",
+  Interspeech 2015. Ladkat et al., "Two Tiered Distributed Training Algorithm for
+  Acoustic Modeling", section 2.1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shoal.comms.collective import Collective
+from shoal.comms.wire import WireCount, all_gather_bytes
+from shoal.kernels import gtc_pack, gtc_unpack
+from shoal.optim.validation import check_collective, check_floating_leaves, check_positive
+
+MAX_BUFFER_ELEMENTS = 2**31 - 1  # 31 index bits per word
+
+
+class GTCState(NamedTuple):
+    """State of `gtc`.
+
+    Attributes:
+      residual: param-shaped float32 tree, everything not sent yet.
+      offset: int32 start of the cyclic selection window for the next step.
+      skipped: int32 count of steps skipped because some worker's gradient was not finite.
+      sent: int32 elements this worker sent in the most recent update (its density is
+        ``sent / n``; the wire always carries the full ``capacity`` buffer).
+      wire: bytes of the most recent update.
+    """
+
+    residual: Any
+    offset: jax.Array
+    skipped: jax.Array
+    sent: jax.Array
+    wire: WireCount
+
+
+def resolve_capacity(capacity: int | float, n: int) -> int:
+    """Words per buffer for ``n`` elements: a fraction of ``n`` (float in (0, 1], rounded,
+    at least 1) or an absolute count (int >= 1, clipped to ``n``)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
+        raise ValueError(f"capacity must be a float in (0, 1] or an int >= 1, got {capacity!r}")
+    if isinstance(capacity, float):
+        if not 0.0 < capacity <= 1.0:
+            raise ValueError(f"capacity as a fraction must lie in (0, 1], got {capacity}")
+        return max(1, min(n, round(capacity * n)))
+    if capacity < 1:
+        raise ValueError(f"capacity as a count must be >= 1, got {capacity}")
+    return min(n, capacity)
+
+
+def gtc(
+    threshold: float,
+    *,
+    collective: Collective,
+    capacity: int | float = 0.02,
+    average: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """Strom's threshold compression: send ``+-threshold`` where ``|g + r| > threshold``.
+
+    Maps each worker's local gradient to the aggregated update (identical on every
+    worker); chain it before ``optax.sgd``/``optax.momentum``. All leaves are fused
+    into one float32 buffer, so a step is a single all-gather of ``capacity + 1``
+    int32 words per worker: a header (the count of sent words) and the words
+    (bit 31 = sign, 1 meaning ``-tau``; bits 0-30 = flat index in the buffer).
+
+    Capacity rule: when more elements qualify than fit, the first ``capacity``
+    qualifying elements in cyclic index order from ``offset`` are sent; ``offset``
+    advances by ``capacity`` (mod the buffer size) every step, so any element that
+    keeps qualifying is sent within ``ceil(n / capacity)`` steps. Unsent elements
+    stay in the residual: no gradient mass is lost.
+
+    Non-finite gradients: if any worker's gradient holds a NaN/Inf, it sends a header
+    of -1 instead of its count, and every worker skips the step (the update is zero):
+    finite workers keep ``g + r`` as their residual, the worker with the non-finite
+    gradient discards that gradient and keeps ``r``. ``GTCState.skipped`` counts them.
+
+    Use with ``optax.inject_hyperparams`` via ``static_args=("capacity",)``; the
+    threshold may then be scheduled.
+
+    Args:
+      threshold: ``tau > 0``.
+      collective: the workers that exchange (`shoal.comms.Collective`).
+      capacity: words per worker per step, a fraction of the elements (float in
+        (0, 1]) or an absolute count (int >= 1, clipped to the element count).
+      average: divide the sum of the workers' ``q`` by the number of workers.
+    """
+    check_collective(collective)
+    check_positive("threshold", threshold)
+    resolve_capacity(capacity, 1)  # type and range checks before any data is seen
+    n_workers = collective.size
+
+    def layout(tree):
+        sizes = [int(math.prod(x.shape)) for x in jax.tree.leaves(tree)]
+        n = sum(sizes)
+        if n > MAX_BUFFER_ELEMENTS:
+            raise ValueError(
+                f"gtc fuses all leaves into one buffer of at most 2**31 - 1 elements "
+                f"(31 index bits); got {n}"
+            )
+        return sizes, n
+
+    def init_fn(params):
+        check_floating_leaves("params", params)
+        layout(params)
+        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return GTCState(
+            residual=residual,
+            offset=jnp.zeros((), jnp.int32),
+            skipped=jnp.zeros((), jnp.int32),
+            sent=jnp.zeros((), jnp.int32),
+            wire=WireCount.zero(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        check_floating_leaves("updates", updates)
+        leaves, treedef = jax.tree.flatten(updates)
+        sizes, n = layout(updates)
+        if n == 0:
+            return updates, state
+        cap = resolve_capacity(capacity, n)
+        tau = jnp.asarray(threshold, jnp.float32)
+
+        g = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+        r = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state.residual)])
+        a = g + r
+        words, count, remainder = gtc_pack(a, tau, cap, state.offset)
+
+        finite = jnp.all(jnp.isfinite(g))
+        header = jnp.where(finite, count, -1).astype(jnp.int32)
+        gathered = collective.all_gather(jnp.concatenate([header[None], words]))
+        counts = gathered[:, 0]
+        all_finite = jnp.all(counts >= 0)
+
+        total = gtc_unpack(gathered[:, 1:], jnp.maximum(counts, 0), tau, n)
+        if average:
+            total = total / n_workers
+        total = jnp.where(all_finite, total, 0.0)
+        new_r = jnp.where(all_finite, remainder, jnp.where(finite, a, r))
+
+        out = _split_like(total, sizes, leaves)
+        residual = jax.tree.unflatten(
+            jax.tree.structure(state.residual),
+            [p.reshape(x.shape) for p, x in zip(_split(new_r, sizes), leaves)],
+        )
+        # (cap words + 1 header) int32 per worker, all-gathered.
+        wire = WireCount.of(*all_gather_bytes(4 * (cap + 1), n_workers))
+        offset = ((state.offset.astype(jnp.uint32) + cap) % n).astype(jnp.int32)
+        skipped = state.skipped + jnp.where(all_finite, 0, 1).astype(jnp.int32)
+        sent = jnp.where(all_finite, count, 0).astype(jnp.int32)
+        new_state = GTCState(residual, offset, skipped, sent, wire)
+        return jax.tree.unflatten(treedef, out), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _split(flat, sizes):
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    return [flat[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _split_like(flat, sizes, leaves):
+    return [p.reshape(x.shape).astype(x.dtype) for p, x in zip(_split(flat, sizes), leaves)]
+
+
+def sent_fraction(opt_state: Any) -> jax.Array | None:
+    """Elements sent in the most recent update over elements compressed, summed over every
+    `gtc` inside ``opt_state``; None when there is none."""
+    states = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GTCState))
+        if isinstance(s, GTCState)
+    ]
+    if not states:
+        return None
+    sent = sum(s.sent for s in states)
+    total = sum(sum(math.prod(x.shape) for x in jax.tree.leaves(s.residual)) for s in states)
+    return sent / max(total, 1)

@@ -1,0 +1,334 @@
+"""shoal.optim.bmuf against a NumPy oracle of Chen & Huo's equations, on 4 simulated
+workers and under mpiexec -n 4 (same file, rank-agnostic)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from harness import n_workers, run_workers, world
+from jax import lax
+
+from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms.wire import all_reduce_bytes
+from shoal.optim.bmuf import BMUFState, bmuf
+
+N = n_workers()
+D, K, S = 4, 2, 8  # features, outputs, samples per worker
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(N, S, D)).astype(np.float32)
+Y = (X @ RNG.normal(size=(D, K)) + RNG.normal(size=(N, 1, K))).astype(np.float32)
+# Different initial params per worker: the workers must broadcast rank 0's before init.
+P0 = {
+    "b": RNG.normal(size=(N, K)).astype(np.float32),
+    "w": RNG.normal(size=(N, D, K)).astype(np.float32),
+}
+N_BYTES = 4 * (K + D * K)
+LR = 0.1
+VARIANTS = {
+    "classic": dict(nesterov=False),
+    "seed": dict(nesterov=True, nbm="seed"),
+    "chen_huo": dict(nesterov=True, nbm="chen_huo"),
+}
+
+
+def loss(p, x, y):
+    return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
+
+
+def flat(p):
+    """Param tree (leading axes allowed) -> vector in jax.tree.leaves order: b, then w."""
+    b, w = np.asarray(p["b"]), np.asarray(p["w"])
+    return np.concatenate([b.reshape(*b.shape[:-1], -1), w.reshape(*w.shape[:-2], -1)], -1)
+
+
+def grad_np(theta, i):
+    b, w = theta[:K], theta[K:].reshape(D, K)
+    r = X[i] @ w + b - Y[i]
+    return np.concatenate([r.mean(0), (X[i].T @ r / S).ravel()])
+
+
+def oracle(steps, block_size, variant, zeta, eta, mu=0.0, warmup=0, reset=False):
+    """The BMUF procedure in float64: inner SGD with momentum ``mu`` on each worker, then
+    eqs. (1)-(4) every ``block_size`` steps; ``zeta(t)``, ``eta(t)`` with 1-based ``t``.
+
+    Returns every worker's params after every step, [steps, N, n]."""
+    theta0 = flat(P0)[0].astype(np.float64)
+    theta = np.tile(theta0, (N, 1))
+    mom = np.zeros_like(theta)
+    w_g, w_filtered, delta, t = theta0.copy(), theta0.copy(), np.zeros_like(theta0), 0
+    out = []
+    for step in range(steps):
+        g = np.stack([grad_np(theta[i], i) for i in range(N)])
+        if step < warmup:
+            g[:] = g.mean(0)
+        mom = mu * mom + g
+        theta = theta - LR * mom
+        if step < warmup:
+            w_g, w_filtered = theta[0].copy(), theta[0].copy()
+        elif (step + 1 - warmup) % block_size == 0:
+            t += 1
+            big_g = theta.mean(0) - w_g
+            delta = eta(t) * delta + zeta(t) * big_g
+            if variant == "classic":
+                w_g = w_g + delta
+            elif variant == "seed":
+                w_g = w_g + delta + eta(t + 1) * delta
+            else:
+                w_filtered = w_filtered + delta
+                w_g = w_filtered + eta(t + 1) * delta
+            theta = np.tile(w_g, (N, 1))
+            if reset:
+                mom[:] = 0.0
+        out.append(theta.copy())
+    return np.stack(out)
+
+
+def train(tx, steps):
+    """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
+    params, W_g and wire bytes after every step, and the final state."""
+
+    def worker(coll, p0, x, y):
+        params = coll.broadcast(p0, 0)
+        opt = tx(coll)
+        state = opt.init(params)
+
+        def body(carry, _):
+            p, s = carry
+            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
+            p = optax.apply_updates(p, u)
+            return (p, s), (p, s.global_params, wire_bytes(s))
+
+        (_, state), traj = lax.scan(body, (params, state), None, length=steps)
+        return traj, state
+
+    return run_workers(worker, P0, X, Y)
+
+
+def constant(v):
+    return lambda t: v
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("hyper", ["default", "custom", "schedules", "lr-schedule"])
+def test_matches_oracle(variant, hyper):
+    block_size, blocks = 3, 4
+    if hyper == "default":  # eq. (5): zeta = 1, eta = 1 - 1 / N
+        kwargs, zeta, eta = {}, constant(1.0), constant(1.0 - 1.0 / N)
+    elif hyper == "custom":
+        kwargs = dict(block_lr=0.8, block_momentum=0.6)
+        zeta, eta = constant(0.8), constant(0.6)
+    elif hyper == "lr-schedule":  # default eta_t = 1 - zeta_t / N
+        kwargs = dict(block_lr=lambda s: 1.0 + 0.2 * s)
+        zeta = lambda t: 1.0 + 0.2 * (t - 1)
+        eta = lambda t: 1.0 - zeta(t) / N
+    else:  # schedules are called with s = t - 1
+        kwargs = dict(block_lr=lambda s: 0.8 + 0.1 * s, block_momentum=lambda s: 0.3 + 0.1 * s)
+        zeta, eta = (lambda t: 0.8 + 0.1 * (t - 1)), (lambda t: 0.3 + 0.1 * (t - 1))
+    tx = lambda c: bmuf(
+        optax.sgd(LR), collective=c, block_size=block_size, **VARIANTS[variant], **kwargs
+    )
+    out = train(tx, block_size * blocks)
+    expect = oracle(block_size * blocks, block_size, variant, zeta, eta)
+    for rank, ((params, w_g, _), state) in out.items():
+        np.testing.assert_allclose(flat(params), expect[:, rank], rtol=2e-5, atol=2e-5)
+        # After a BMUF step every worker sits at W_g; within a block W_g stays put.
+        np.testing.assert_allclose(
+            flat(w_g)[block_size - 1 :: block_size],
+            expect[block_size - 1 :: block_size, 0],
+            rtol=2e-5,
+            atol=2e-5,
+        )
+        assert int(state.block) == blocks and int(state.step) == block_size * blocks
+        assert (state.filtered is None) == (variant != "chen_huo")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_zero_momentum_unit_lr_is_model_averaging(variant):
+    block_size, blocks = 2, 3
+    tx = lambda c: bmuf(
+        optax.sgd(LR), collective=c, block_size=block_size, block_lr=1.0, block_momentum=0.0,
+        **VARIANTS[variant],
+    )  # fmt: skip
+    out = train(tx, block_size * blocks)
+    start = flat(P0)[0].astype(np.float64)
+    averaged = []
+    for _ in range(blocks):
+        local = np.tile(start, (N, 1))
+        for _ in range(block_size):
+            local = local - LR * np.stack([grad_np(local[i], i) for i in range(N)])
+        start = local.mean(0)
+        averaged.append(start)
+    for (params, _, _), _ in out.values():
+        np.testing.assert_allclose(
+            flat(params)[block_size - 1 :: block_size], np.stack(averaged), rtol=2e-5, atol=2e-5
+        )
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_worker_unit_lr_zero_momentum_leaves_the_model(variant):
+    coll = AxisCollective("w", 1)
+    tx = bmuf(
+        optax.sgd(LR, momentum=0.5), collective=coll, block_size=2, block_momentum=0.0,
+        **VARIANTS[variant],
+    )  # fmt: skip
+    plain = optax.sgd(LR, momentum=0.5)
+
+    def run(opt, p0, x, y):
+        state = opt.init(p0)
+
+        def body(carry, _):
+            p, s = carry
+            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
+            p = optax.apply_updates(p, u)
+            return (p, s), p
+
+        return lax.scan(body, (p0, state), None, length=7)[1]
+
+    args = jax.tree.map(lambda a: a[:1], (P0, X, Y))
+    got = jax.jit(jax.vmap(lambda *a: run(tx, *a), axis_name="w"))(*args)
+    want = jax.jit(jax.vmap(lambda *a: run(plain, *a)))(*args)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, want)
+
+
+def outer_reference(outer, steps_per_block, blocks):
+    """Block training with an optax outer optimizer on the outer gradient W_g - Wbar."""
+    theta = jnp.asarray(flat(P0)[0])
+    state = outer.init(theta)
+    restarts = []
+    for _ in range(blocks):
+        local = np.tile(np.asarray(theta, np.float64), (N, 1))
+        for _ in range(steps_per_block):
+            local = local - LR * np.stack([grad_np(local[i], i) for i in range(N)])
+        u, state = outer.update(theta - jnp.asarray(local.mean(0), jnp.float32), state, theta)
+        theta = optax.apply_updates(theta, u)
+        restarts.append(np.asarray(theta))
+    return np.stack(restarts)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "variant,outer",
+    [
+        ("classic", optax.sgd(0.7, momentum=0.6)),  # heavy ball on -G
+        ("chen_huo", optax.sgd(0.7, momentum=0.6, nesterov=True)),  # DiLoCo's outer step
+        ("seed", optax.sgd(0.7 * 1.6, momentum=0.6)),  # look-ahead never undone
+    ],
+    ids=["classic-heavy-ball", "chen_huo-diloco", "seed-heavy-ball-scaled"],
+)
+def test_equals_optax_outer_optimizer(variant, outer):
+    block_size, blocks = 3, 4
+    tx = lambda c: bmuf(
+        optax.sgd(LR), collective=c, block_size=block_size, block_lr=0.7, block_momentum=0.6,
+        **VARIANTS[variant],
+    )  # fmt: skip
+    out = train(tx, block_size * blocks)
+    expect = outer_reference(outer, block_size, blocks)
+    for (params, w_g, _), _ in out.values():
+        np.testing.assert_allclose(
+            flat(params)[block_size - 1 :: block_size], expect, rtol=2e-5, atol=2e-5
+        )
+        np.testing.assert_allclose(
+            flat(w_g)[block_size - 1 :: block_size], expect, rtol=2e-5, atol=2e-5
+        )
+
+
+@pytest.mark.mpi
+def test_warmup_is_synchronous_sgd_then_bmuf():
+    warmup, block_size, blocks = 4, 3, 3
+    steps = warmup + block_size * blocks
+    tx = lambda c: bmuf(
+        optax.sgd(LR), collective=c, block_size=block_size, warmup_steps=warmup, nbm="chen_huo"
+    )
+    out = train(tx, steps)
+    # S-SGD: one model, stepped with the mean of the workers' gradients.
+    ssgd = [flat(P0)[0].astype(np.float64)]
+    for _ in range(warmup):
+        ssgd.append(ssgd[-1] - LR * np.mean([grad_np(ssgd[-1], i) for i in range(N)], axis=0))
+    expect = oracle(
+        steps, block_size, "chen_huo", constant(1.0), constant(1.0 - 1 / N), warmup=warmup
+    )
+    sync = all_reduce_bytes(N_BYTES, N)[0]
+    for rank, ((params, w_g, wire), state) in out.items():
+        np.testing.assert_allclose(flat(params)[:warmup], np.stack(ssgd[1:]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(flat(w_g)[:warmup], np.stack(ssgd[1:]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(flat(params), expect[:, rank], rtol=2e-5, atol=2e-5)
+        # Warm-up steps all-reduce the gradient, block steps the model, the rest is silent.
+        expect_wire = [sync] * warmup + ([0] * (block_size - 1) + [sync]) * blocks
+        assert np.asarray(wire.sent).tolist() == expect_wire
+        assert np.asarray(wire.received).tolist() == expect_wire
+        assert int(state.block) == blocks
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "keep"])
+def test_inner_momentum_reset_or_kept(reset):
+    block_size, blocks = 3, 3
+    tx = lambda c: bmuf(
+        optax.sgd(LR, momentum=0.9), collective=c, block_size=block_size, reset_inner_state=reset
+    )
+    out = train(tx, block_size * blocks)
+    eta = constant(1.0 - 1 / N)
+    expect = oracle(
+        block_size * blocks, block_size, "seed", constant(1.0), eta, mu=0.9, reset=reset
+    )
+    other = oracle(
+        block_size * blocks, block_size, "seed", constant(1.0), eta, mu=0.9, reset=not reset
+    )
+    assert np.abs(expect - other).max() > 1e-2  # the option matters for this data
+    for rank, ((params, _, _), state) in out.items():
+        np.testing.assert_allclose(flat(params), expect[:, rank], rtol=2e-5, atol=2e-5)
+        # The last step was a BMUF step: a reset leaves the init momentum (zeros).
+        trace = jax.tree.leaves(state.inner_state)
+        assert all(np.all(np.asarray(m) == 0) for m in trace) == reset
+
+
+@pytest.mark.mpi
+def test_wire_bytes_only_on_block_steps():
+    block_size = 4
+    out = train(lambda c: bmuf(optax.sgd(LR), collective=c, block_size=block_size), 2 * block_size)
+    sync = all_reduce_bytes(N_BYTES, N)[0]  # 2 (N - 1) / N * 40 bytes each way
+    assert sync == 2 * (N - 1) * N_BYTES // N
+    for (_, _, wire), state in out.values():
+        expect = ([0] * (block_size - 1) + [sync]) * 2
+        assert np.asarray(wire.sent).tolist() == expect
+        assert np.asarray(wire.received).tolist() == expect
+        assert state.step.dtype == jnp.int32 and state.block.dtype == jnp.int32
+        assert isinstance(state, BMUFState)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=0), "block_size must be an int >= 1"),
+        (dict(block_size=2.0), "block_size must be an int >= 1"),
+        (dict(block_size=True), "block_size must be an int >= 1"),
+        (dict(block_momentum=1.0), r"block_momentum must lie in \[0, 1\)"),
+        (dict(block_momentum=-0.1), r"block_momentum must lie in \[0, 1\)"),
+        (dict(block_lr=0.0), "block_lr must be a finite number > 0"),
+        (dict(block_lr=-1.0), "block_lr must be a finite number > 0"),
+        (dict(block_lr=2 * N), r"default block_momentum = 1 - block_lr / N .* outside \[0, 1\)"),
+        (dict(nbm="nesterov"), "nbm must be one of"),
+        (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    kwargs = {"block_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        bmuf(optax.sgd(0.1), collective=world(), **kwargs)
+
+
+def test_collective_must_not_be_callable():
+    with pytest.raises(TypeError, match="not a callable"):
+        bmuf(optax.sgd(0.1), collective=lambda x: x, block_size=2)
+
+
+def test_params_are_required():
+    coll = AxisCollective("w", 1)
+    tx = bmuf(optax.sgd(0.1), collective=coll, block_size=2)
+    params = {"w": jnp.zeros((1, 3))}
+    state = jax.vmap(tx.init)(params)
+    with pytest.raises(ValueError, match="needs params"):
+        jax.vmap(lambda g, s: tx.update(g, s), axis_name="w")(params, state)

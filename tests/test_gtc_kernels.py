@@ -1,0 +1,318 @@
+"""GTC pack/unpack kernels against an independent NumPy oracle of Strom's encoding.
+
+Every check is bit-exact: words as int32, remainders compared as raw float32 bits.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shoal.kernels import gtc_pack, gtc_unpack
+from shoal.kernels.gtc_pallas import BLOCK, gtc_pack_pallas, gtc_unpack_pallas
+
+SIGN = 1 << 31
+
+
+def pack_oracle(values, tau, capacity, offset=0):
+    """NumPy GTC encoder: the first `capacity` qualifying elements in cyclic order."""
+    v = np.asarray(values, np.float32)
+    tau = np.float32(tau)
+    n = v.size
+    with np.errstate(invalid="ignore"):
+        qualifies = np.abs(v) > tau
+    cyclic = np.concatenate([np.arange(offset, n), np.arange(offset)])
+    sent = np.sort(cyclic[qualifies[cyclic]][:capacity])
+    negative = v[sent] < 0
+    words = np.zeros(capacity, np.int64)
+    words[: sent.size] = sent | np.where(negative, SIGN, 0)
+    remainder = v.copy()
+    remainder[sent] = np.where(negative, v[sent] + tau, v[sent] - tau)
+    return words.astype(np.uint32).view(np.int32), sent.size, remainder
+
+
+def unpack_oracle(words, count, tau, size):
+    """NumPy GTC decoder: tau * (number of +tau words - number of -tau words)."""
+    words = np.asarray(words).reshape(-1, np.shape(words)[-1])
+    net = np.zeros(size, np.int64)
+    for w, c in zip(words, np.asarray(count).reshape(-1), strict=True):
+        w = w[:c].view(np.uint32).astype(np.int64)
+        index = w & (SIGN - 1)
+        keep = index < size
+        np.add.at(net, index[keep], np.where(w[keep] & SIGN, -1, 1))
+    return net.astype(np.float32) * np.float32(tau)
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.int32)
+
+
+def assert_pack_equal(result, expected):
+    words, count, remainder = result
+    e_words, e_count, e_remainder = expected
+    np.testing.assert_array_equal(np.asarray(words), e_words)
+    assert int(count) == e_count
+    np.testing.assert_array_equal(bits(remainder), bits(e_remainder))
+
+
+def random_values(rng, n, density, specials=False):
+    v = rng.standard_normal(n).astype(np.float32)
+    tau = np.float32(np.quantile(np.abs(v), 1 - density)) if density > 0 else np.float32(10)
+    if specials and n >= 8:
+        at = rng.choice(n, 6, replace=False)
+        v[at] = [np.nan, np.inf, -np.inf, -0.0, tau, -tau]
+    return v, tau
+
+
+# ---------------------------------------------------------------------------- pack
+
+
+def test_word_bit_layout():
+    v = np.array([0.0, 3.0, -4.0, 0.5, -0.25, 5.0, 1.5], np.float32)
+    words, count, remainder = gtc_pack(jnp.asarray(v), 1.0, 5)
+    # Index in bits 0-30, bit 31 set for -tau: int32 words are negative exactly for -tau.
+    expected = [1, 2 | SIGN, 5, 6, 0]
+    np.testing.assert_array_equal(np.asarray(words).view(np.uint32), expected)
+    np.testing.assert_array_equal(np.asarray(words), [1, -(2**31) + 2, 5, 6, 0])
+    assert words.dtype == jnp.int32 and words.shape == (5,)
+    assert count.dtype == jnp.int32 and count.shape == () and int(count) == 4
+    np.testing.assert_array_equal(
+        np.asarray(remainder), np.array([0, 2, -3, 0.5, -0.25, 4, 0.5], np.float32)
+    )
+
+
+def test_negative_zero_and_exact_tau_are_kept():
+    tau = np.float32(0.75)
+    v = np.array([-0.0, 0.0, tau, -tau, np.nextafter(tau, np.float32(1)), -1.0], np.float32)
+    words, count, remainder = gtc_pack(jnp.asarray(v), tau, 6)
+    assert int(count) == 2  # |v| == tau is not sent (strict threshold)
+    np.testing.assert_array_equal(np.asarray(words)[:3], [4, 5 | -(2**31), 0])
+    np.testing.assert_array_equal(bits(remainder)[:4], bits(v)[:4])  # -0.0 stays -0.0
+    assert_pack_equal((words, count, remainder), pack_oracle(v, tau, 6))
+
+
+def test_nan_and_inf():
+    nan_payload = np.array([0x7FC01234], np.int32).view(np.float32)[0]
+    v = np.array([np.nan, np.inf, 0.1, -np.inf, nan_payload, -3.0], np.float32)
+    words, count, remainder = gtc_pack(jnp.asarray(v), 1.0, 6)
+    # NaN never qualifies and keeps its exact bits; +-Inf is sent and stays +-Inf.
+    np.testing.assert_array_equal(np.asarray(words), [1, 3 | -(2**31), 5 | -(2**31), 0, 0, 0])
+    assert int(count) == 3
+    np.testing.assert_array_equal(bits(remainder)[[0, 4]], bits(v)[[0, 4]])
+    np.testing.assert_array_equal(np.asarray(remainder)[[1, 3, 5]], [np.inf, -np.inf, -2.0])
+
+
+@pytest.mark.parametrize(
+    ("capacity", "offset", "sent"),
+    [
+        (3, 0, [1, 2, 4]),  # the first three from index 0
+        (3, 4, [4, 7, 9]),  # from the offset on, no wrap needed
+        (3, 8, [1, 2, 9]),  # wraps: 9, then 1, 2; words still in index order
+        (2, 5, [7, 9]),
+        (4, 9, [1, 2, 4, 9]),
+        (6, 3, [1, 2, 4, 7, 9]),  # everything fits: all sent, offset irrelevant
+    ],
+)
+def test_capacity_overflow_with_offset(capacity, offset, sent):
+    v = np.zeros(10, np.float32)
+    v[[1, 2, 4, 7, 9]] = [2.0, -2.0, 3.0, -3.0, 4.0]
+    words, count, remainder = gtc_pack(jnp.asarray(v), 1.0, capacity, offset)
+    assert int(count) == len(sent)
+    np.testing.assert_array_equal(np.asarray(words)[: len(sent)] & (SIGN - 1), sent)
+    assert not np.asarray(words)[len(sent) :].any()
+    assert_pack_equal((words, count, remainder), pack_oracle(v, 1.0, capacity, offset))
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 200, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.3, 1.0])
+def test_pack_matches_oracle(n, density):
+    rng = np.random.default_rng(n * 1000 + int(density * 100))
+    v, tau = random_values(rng, n, density, specials=True)
+    pack = jax.jit(gtc_pack, static_argnums=2)
+    for capacity in sorted({1, max(1, n // 3), n}):
+        for offset in sorted({0, n // 2, n - 1}):
+            result = pack(jnp.asarray(v), tau, capacity, offset)
+            assert_pack_equal(result, pack_oracle(v, tau, capacity, offset))
+
+
+def test_traced_tau_and_offset():
+    rng = np.random.default_rng(5)
+    v, tau = random_values(rng, 300, 0.2)
+
+    @jax.jit
+    def pack(v, tau, offset):
+        return gtc_pack(v, tau, 40, offset)
+
+    for offset in (0, 123, 299, 300 + 17):  # a traced offset is taken modulo n
+        assert_pack_equal(pack(v, tau, offset), pack_oracle(v, tau, 40, offset % 300))
+
+
+def test_donated_values_are_updated_in_place():
+    rng = np.random.default_rng(6)
+    v, tau = random_values(rng, 4096, 0.05)
+    expected = pack_oracle(v, tau, 100, 7)
+    pack = jax.jit(functools.partial(gtc_pack, capacity=100), donate_argnums=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable"
+        result = pack(jnp.asarray(v), tau, offset=7)
+    assert_pack_equal(result, expected)
+
+
+# -------------------------------------------------------------------------- unpack
+
+
+def test_unpack_ignores_slots_past_count():
+    words = jnp.asarray([3, 5 | -(2**31), 7, 1, 2 | -(2**31)], jnp.int32)
+    dense = gtc_unpack(words, 2, 0.5, 10)
+    expected = np.zeros(10, np.float32)
+    expected[[3, 5]] = [0.5, -0.5]
+    np.testing.assert_array_equal(np.asarray(dense), expected)
+    np.testing.assert_array_equal(np.asarray(gtc_unpack(words, 0, 0.5, 10)), np.zeros(10))
+
+
+def test_unpack_sums_all_buffers():
+    rng = np.random.default_rng(7)
+    n, capacity, workers = 500, 60, 4
+    tau = np.float32(0.1)  # 3 * 0.1 rounds: the result must be tau * net count
+    words, counts = [], []
+    for p in range(workers):
+        v, _ = random_values(rng, n, 0.0)
+        w, c, _ = pack_oracle(v * 10, tau, capacity, offset=37 * p)
+        w[c:] = rng.integers(-(2**31), 2**31 - 1, capacity - c)  # garbage past count
+        words.append(w)
+        counts.append(c)
+    words, counts = np.stack(words), np.asarray(counts, np.int32)
+    dense = gtc_unpack(jnp.asarray(words), jnp.asarray(counts), tau, n)
+    np.testing.assert_array_equal(bits(dense), bits(unpack_oracle(words, counts, tau, n)))
+    # Leading dims [2, 2] behave as the flattened [4].
+    dense4 = gtc_unpack(words.reshape(2, 2, capacity), counts.reshape(2, 2), tau, n)
+    np.testing.assert_array_equal(bits(dense4), bits(dense))
+
+
+def test_round_trip_conserves_values():
+    # Multiples of 2**-12 below 2**6 and tau = 0.375: every v -+ tau is exact.
+    rng = np.random.default_rng(8)
+    workers, n, capacity = 3, 1000, 150
+    values = (rng.integers(-(2**18), 2**18, (workers, n)) / 2**12).astype(np.float32)
+    tau = np.float32(0.375)
+    packs = [gtc_pack(jnp.asarray(values[p]), tau, capacity, 11 * p) for p in range(workers)]
+    for p, (words, count, remainder) in enumerate(packs):
+        np.testing.assert_array_equal(
+            np.asarray(remainder + gtc_unpack(words, count, tau, n)), values[p]
+        )
+    words = jnp.stack([w for w, _, _ in packs])
+    counts = jnp.stack([c for _, c, _ in packs])
+    total = sum(r for _, _, r in packs) + gtc_unpack(words, counts, tau, n)
+    np.testing.assert_array_equal(np.asarray(total), values.sum(0))
+
+
+# ---------------------------------------------------------------------- Pallas path
+
+
+@pytest.mark.parametrize("n", [1, 1000, BLOCK, 2 * BLOCK + 77])
+def test_pallas_interpret_is_bit_exact(n):
+    rng = np.random.default_rng(n)
+    for density in (0.05, 0.6):
+        v, tau = random_values(rng, n, density, specials=True)
+        capacity = max(1, n // 4)
+        for offset in (0, (n * 2) // 3):
+            args = (jnp.asarray(v), tau, capacity, offset)
+            ref = gtc_pack(*args, impl="reference")
+            pallas = gtc_pack(*args, impl="pallas")
+            assert_pack_equal(pallas, tuple(np.asarray(x) for x in ref))
+            assert_pack_equal(pallas, pack_oracle(v, tau, capacity, offset))
+            other, other_count, _ = pack_oracle(-v[::-1], tau, capacity, offset)
+            words = jnp.stack([ref[0], jnp.asarray(other)])
+            counts = jnp.stack([ref[1] // 2, jnp.int32(other_count)])
+            dense_ref = gtc_unpack(words, counts, tau, n, impl="reference")
+            dense_pallas = gtc_unpack(words, counts, tau, n, impl="pallas")
+            np.testing.assert_array_equal(bits(dense_pallas), bits(dense_ref))
+
+
+def test_default_impl_on_cpu_is_reference():
+    v, tau = random_values(np.random.default_rng(9), 100, 0.1)
+    assert jax.default_backend() != "gpu"
+    assert_pack_equal(gtc_pack(v, tau, 10, 3), pack_oracle(v, tau, 10, 3))
+
+
+def test_pallas_lowers_for_gpu():
+    """The Triton kernels lower (Pallas -> Triton IR) for CUDA without a GPU."""
+
+    def pack(values, tau, offset):
+        return gtc_pack_pallas(values, tau, 100, offset, interpret=False)
+
+    lowered = (
+        jax.jit(pack)
+        .trace(jax.ShapeDtypeStruct((5000,), jnp.float32), jnp.float32(1), jnp.int32(0))
+        .lower(lowering_platforms=("cuda",))
+    )
+    text = lowered.as_text()
+    assert text.count("xla.gpu.triton") == 2
+    assert "gtc_count" in text and "gtc_emit" in text
+
+    unpack = functools.partial(gtc_unpack_pallas, size=5000, interpret=False)
+    lowered = (
+        jax.jit(unpack)
+        .trace(
+            jax.ShapeDtypeStruct((4, 100), jnp.int32),
+            jax.ShapeDtypeStruct((4,), jnp.int32),
+            jnp.float32(1),
+        )
+        .lower(lowering_platforms=("cuda",))
+    )
+    text = lowered.as_text()
+    assert "gtc_unpack" in text and "gtc_scale" in text
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"capacity": 0}, ValueError, "capacity"),
+        ({"capacity": 11}, ValueError, "capacity"),
+        ({"capacity": 2.0}, TypeError, "capacity"),
+        ({"values": np.ones((2, 5), np.float32)}, ValueError, "values"),
+        ({"values": np.arange(10, dtype=np.int32)}, TypeError, "values"),
+        ({"values": jnp.ones(10, jnp.bfloat16)}, TypeError, "values"),
+        ({"tau": 0.0}, ValueError, "tau"),
+        ({"tau": -1.0}, ValueError, "tau"),
+        ({"tau": np.ones(2, np.float32)}, ValueError, "tau"),
+        ({"offset": 10}, ValueError, "offset"),
+        ({"offset": -1}, ValueError, "offset"),
+        ({"offset": 1.5}, TypeError, "offset"),
+        ({"impl": "triton"}, ValueError, "impl"),
+    ],
+)
+def test_pack_rejects_bad_input(kwargs, error, name):
+    args = {"values": np.ones(10, np.float32), "tau": 0.5, "capacity": 3, "offset": 0}
+    args.update(kwargs)
+    with pytest.raises(error, match=name):
+        gtc_pack(**args)
+
+
+def test_pack_rejects_too_many_elements():
+    big = jax.ShapeDtypeStruct((2**31,), jnp.float32)
+    with pytest.raises(ValueError, match="values"):
+        jax.eval_shape(lambda v: gtc_pack(v, 1.0, 10), big)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"words": np.ones(4, np.float32)}, TypeError, "words"),
+        ({"count": np.ones(2, np.int32)}, ValueError, "count"),
+        ({"count": 1.0}, TypeError, "count"),
+        ({"size": 0}, ValueError, "size"),
+        ({"impl": "cuda"}, ValueError, "impl"),
+    ],
+)
+def test_unpack_rejects_bad_input(kwargs, error, name):
+    args = {"words": np.zeros(4, np.int32), "count": 1, "tau": 0.5, "size": 10}
+    args.update(kwargs)
+    with pytest.raises(error, match=name):
+        gtc_unpack(**args)

@@ -1,0 +1,96 @@
+"""Optax's contract for shoal's transformations (after optax/contrib/_common_test.py):
+they optimise a parabola, survive inject_hyperparams, and tree_map_params."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from shoal.comms import AxisCollective
+from shoal.optim import allreduce_gradients, bmuf, gtc
+
+N = 4
+COLL = AxisCollective("workers", N)
+
+LR = 0.05
+BMUF_STATIC = ("block_size", "nesterov", "nbm", "warmup_steps", "reset_inner_state")
+
+# name -> (factory, kwargs, static_args for inject_hyperparams, chained before sgd?)
+UNDER_TEST = {
+    "allreduce_gradients": (allreduce_gradients, {}, (), True),
+    "gtc": (gtc, {"threshold": 0.05, "capacity": 1.0}, ("capacity",), True),
+    "bmuf": (
+        lambda **kw: bmuf(optax.sgd(LR), **kw),
+        {"block_size": 4},
+        (),
+        False,
+    ),
+}
+
+
+# GTC sends at most +-threshold per step and keeps the rest as a residual, which acts
+# like a large momentum when gradients dwarf the threshold: give it a flatter parabola.
+LOSS_SCALE = {"gtc": 0.01}
+OUTER_LR = {"gtc": 0.5}
+
+
+def make(name):
+    factory, kwargs, _, chained = UNDER_TEST[name]
+    tx = factory(collective=COLL, **kwargs)
+    return optax.chain(tx, optax.sgd(OUTER_LR.get(name, LR))) if chained else tx
+
+
+def on_workers(fn, *args):
+    """Run ``fn`` on N simulated workers that all hold the same ``args``."""
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *jnp.shape(x))), args)
+    return jax.vmap(fn, axis_name="workers")(*stacked)
+
+
+@pytest.mark.parametrize("name", UNDER_TEST)
+def test_optimises_parabola(name):
+    tx = make(name)
+    target = jnp.array([1.0, -1.0, 1.0])
+    scale = LOSS_SCALE.get(name, 1.0)
+    grad = jax.grad(lambda p: scale * jnp.sum((p - target) ** 2))
+
+    @jax.jit
+    def run(params):
+        def body(carry, _):
+            p, s = carry
+            u, s = tx.update(grad(p), s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        state = optax.tree_utils.tree_map_params(tx, lambda v: v, tx.init(params))
+        (p, _), _ = jax.lax.scan(body, (params, state), None, length=1500)
+        return p
+
+    p = on_workers(run, jnp.array([-1.0, 10.0, 1.0]))
+    np.testing.assert_allclose(p, np.broadcast_to(target, (N, 3)), rtol=3e-2, atol=3e-2)
+
+
+INJECTABLE = {
+    "allreduce_gradients": UNDER_TEST["allreduce_gradients"][:3],
+    "gtc": UNDER_TEST["gtc"][:3],
+    "bmuf": (bmuf, {"inner": optax.sgd(LR), "block_size": 1}, BMUF_STATIC),
+}
+
+
+@pytest.mark.parametrize("name", INJECTABLE)
+def test_can_be_wrapped_in_inject_hyperparams(name):
+    factory, kwargs, static = INJECTABLE[name]
+    params = [-jnp.ones((2, 3)), jnp.ones((2, 5, 2))]
+    grads = [jnp.ones((2, 3)), -jnp.ones((2, 5, 2)) * 0.5]
+    plain = factory(collective=COLL, **kwargs)
+    injected = optax.inject_hyperparams(factory, static_args=static)(collective=COLL, **kwargs)
+
+    def step(tx, g, p):
+        state = tx.init(p)
+        return tx.update(g, state, p)
+
+    u, s = jax.jit(lambda g, p: on_workers(lambda g, p: step(plain, g, p), g, p))(grads, params)
+    ui, si = jax.jit(lambda g, p: on_workers(lambda g, p: step(injected, g, p), g, p))(
+        grads, params
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), u, ui)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), s, si.inner_state)
