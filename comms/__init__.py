@@ -2,6 +2,12 @@
 
 from shoal.comms.axis import AxisCollective
 from shoal.comms.collective import REDUCE_OPS, Collective
+from shoal.comms.compressed import (
+    compressed_allreduce,
+    compressed_allreduce_bytes,
+    compressed_allreduce_init,
+    compressed_allreduce_padded_size,
+)
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
 from shoal.comms.wire import WireCount, tree_nbytes, wire_bytes
@@ -15,4 +21,10 @@ __all__ = [
     "tree_nbytes",
     "two_tier",
     "wire_bytes",
+]
+__all__ += [
+    "compressed_allreduce",
+    "compressed_allreduce_bytes",
+    "compressed_allreduce_init",
+    "compressed_allreduce_padded_size",
 ]

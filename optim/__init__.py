@@ -4,6 +4,7 @@ from shoal.optim.allreduce import AllReduceState, allreduce_gradients
 from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
 from shoal.optim.gtc import GTCState, gtc
+from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_adam, onebit_lamb
 
 __all__ = [
     "AllReduceState",
@@ -14,3 +15,4 @@ __all__ = [
     "bmuf_gtc",
     "gtc",
 ]
+__all__ += ["OneBitAdamState", "OneBitLambState", "onebit_adam", "onebit_lamb"]

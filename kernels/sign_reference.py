@@ -1,0 +1,53 @@
+"""Pure-jnp reference of the sign pack/unpack kernels (runs on every backend).
+
+Bit layout (shared with :mod:`shoal.kernels.sign_pallas` and every worker): element
+``8 k + j`` of the last axis is bit ``j`` (least significant first) of byte ``k``; the
+bit is 1 iff ``sign(v) = -1``, that is iff ``not v >= 0`` (so ``+-0.0`` map to ``+1`` and
+NaN to ``-1``). Padding bits of a last partial byte are 0. This is
+``numpy.packbits(v < 0 or isnan(v), bitorder="little")``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["rms", "sign_pack_reference", "sign_unpack_reference"]
+
+
+def rms(values: jax.Array) -> jax.Array:
+    """``sqrt(sum(v * v) / n)`` over the last axis: the scale both implementations share.
+
+    It is a global reduction, so it stays in XLA for either implementation (the kernels
+    then agree bit for bit).
+    """
+    n = values.shape[-1]
+    return jnp.sqrt(jnp.sum(values * values, axis=-1) / jnp.float32(n))
+
+
+def negative_bits(values: jax.Array) -> jax.Array:
+    # `not v >= 0` rather than `v < 0`: the issue defines sign(v) = +1 iff v >= 0.
+    return jnp.logical_not(values >= 0)
+
+
+def sign_pack_reference(values: jax.Array) -> jax.Array:
+    """uint8[..., ceil(n / 8)]: the sign bits of float32[..., n] (arguments validated)."""
+    *lead, n = values.shape
+    nbytes = -(-n // 8)
+    neg = negative_bits(values).astype(jnp.uint8)
+    if nbytes * 8 != n:
+        neg = jnp.pad(neg, [(0, 0)] * len(lead) + [(0, nbytes * 8 - n)])
+    neg = neg.reshape(*lead, nbytes, 8)
+    weights = jnp.arange(8, dtype=jnp.uint8)
+    # Bits are disjoint, so OR-reducing the shifted bits is the byte.
+    return lax.reduce(neg << weights, jnp.uint8(0), lax.bitwise_or, (neg.ndim - 1,))
+
+
+def sign_unpack_reference(bits: jax.Array, scale: jax.Array, size: int) -> jax.Array:
+    """float32[..., size]: ``scale * sign`` decoded from uint8[..., nbytes] (validated)."""
+    *lead, nbytes = bits.shape
+    neg = (bits[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    s = scale.astype(jnp.float32)[..., None, None]
+    out = jnp.where(neg == 1, -s, s).reshape(*lead, nbytes * 8)
+    return out[..., :size]
