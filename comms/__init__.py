@@ -18,13 +18,11 @@ __all__ = [
     "Collective",
     "MPICollective",
     "WireCount",
-    "tree_nbytes",
-    "two_tier",
-    "wire_bytes",
-]
-__all__ += [
     "compressed_allreduce",
     "compressed_allreduce_bytes",
     "compressed_allreduce_init",
     "compressed_allreduce_padded_size",
+    "tree_nbytes",
+    "two_tier",
+    "wire_bytes",
 ]

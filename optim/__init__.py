@@ -10,9 +10,12 @@ __all__ = [
     "AllReduceState",
     "BMUFState",
     "GTCState",
+    "OneBitAdamState",
+    "OneBitLambState",
     "allreduce_gradients",
     "bmuf",
     "bmuf_gtc",
     "gtc",
+    "onebit_adam",
+    "onebit_lamb",
 ]
-__all__ += ["OneBitAdamState", "OneBitLambState", "onebit_adam", "onebit_lamb"]
