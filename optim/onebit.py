@@ -212,7 +212,9 @@ def onebit_adam(
       weight_decay: ``>= 0``, decoupled (added to the update as in AdamW).
       momentum_mask: optional params-shaped tree of 0/1 arrays (broadcastable to the
         leaves) marking elements whose gradients are structurally zero; their momentum is
-        zeroed after each decompression, so compression noise cannot move them.
+        zeroed after each decompression, so compression noise cannot move them. Without
+        it such an element diverges: its frozen ``v`` is 0 and the decompressed momentum
+        is ``+-scale``, never 0, so its update is ``scale / eps``.
     """
     _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
     size = collective.size
@@ -345,7 +347,7 @@ def onebit_lamb(
       factor_threshold: the largest relative change of the factor per step, ``>= 0``.
       momentum_mask: optional params-shaped tree of 0/1 arrays (broadcastable to the
         leaves) for structurally zero gradients; their momentum is zeroed after each
-        decompression.
+        decompression (without it they diverge, as in `onebit_adam`).
     """
     _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
     _check_range("max_coeff", max_coeff, 0.0, np.inf, high_open=True)
