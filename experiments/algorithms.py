@@ -1,7 +1,11 @@
 """Registry of the algorithms a config can name.
 
-A builder maps ``(cfg, collective)`` to the optax transformation that every worker
-runs on its own gradients; the runner applies the updates. To add an algorithm::
+A builder maps ``(cfg, comms)`` to the optax transformation that every worker runs on
+its own gradients; the runner applies the updates, so ``optax.apply_updates(params,
+updates)`` is the worker's next model. ``comms`` is the world `Collective`, or, for an
+algorithm registered with ``two_tier=True``, the pair ``(intra, inter)`` of
+`shoal.comms.two_tier` for groups of ``cfg.group_size`` consecutive workers (the
+backend lays its workers out to match). To add an algorithm::
 
     @register("gtc")
     def gtc(cfg, collective):
@@ -10,7 +14,9 @@ runs on its own gradients; the runner applies the updates. To add an algorithm::
         )
 
 and give `Config` (or the config file's subclass of it) typed fields for its
-hyper-parameters, so that ``--set gtc_threshold=0.01`` works.
+hyper-parameters, so that ``--set gtc_threshold=0.01`` works. ``register(..., check=f)``
+adds ``f(cfg)``, which raises `ConfigError` for settings the algorithm cannot run; it is
+called before any training.
 
 An entry of ``Config.algorithms`` may carry its own overrides in brackets, separated
 by ``;``: ``"gtc[gtc_threshold=0.01;gtc_capacity=0.05]"`` trains ``gtc`` with those
@@ -19,6 +25,7 @@ fields changed (sweeps list several such entries; the label is the whole entry).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -26,20 +33,34 @@ import optax
 
 from shoal.comms import Collective
 from shoal.experiments.config import Config, ConfigError
-from shoal.optim import allreduce_gradients, gtc
+from shoal.optim import allreduce_gradients, bmuf, bmuf_gtc, gtc
 
-Builder = Callable[[Config, Collective], optax.GradientTransformation]
+Comms = Collective | tuple[Collective, Collective]
+Builder = Callable[[Config, Comms], optax.GradientTransformation]
 
-ALGORITHMS: dict[str, Builder] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A registered builder; ``two_tier``: it takes ``(intra, inter)``; ``check(cfg)``
+    raises `ConfigError` for a config it cannot run (None: any config)."""
+
+    build: Builder
+    two_tier: bool = False
+    check: Callable[[Config], None] | None = None
 
 
-def register(name: str) -> Callable[[Builder], Builder]:
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register(
+    name: str, *, two_tier: bool = False, check: Callable[[Config], None] | None = None
+) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder`` available to configs as ``name``."""
 
     def add(builder: Builder) -> Builder:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        ALGORITHMS[name] = builder
+        ALGORITHMS[name] = Algorithm(builder, two_tier, check)
         return builder
 
     return add
@@ -66,7 +87,13 @@ def check_known(entries: tuple[str, ...], cfg: Config | None = None) -> None:
         )
     if cfg is not None:
         for e in entries:
-            entry_config(e, cfg)
+            sub = entry_config(e, cfg)
+            check = ALGORITHMS[parse_entry(e)[0]].check
+            if check is not None:
+                try:
+                    check(sub)
+                except ConfigError as err:
+                    raise ConfigError(f"algorithm {e!r}: {err}") from None
 
 
 def entry_config(entry: str, cfg: Config) -> Config:
@@ -76,13 +103,24 @@ def entry_config(entry: str, cfg: Config) -> Config:
     return apply_overrides(cfg, parse_entry(entry)[1])
 
 
-def build(entry: str, cfg: Config, collective: Any) -> optax.GradientTransformation:
+def group_size(entry: str, cfg: Config) -> int | None:
+    """Workers per group for a two-tier entry (its config's ``group_size``), else None."""
     check_known((entry,))
-    return ALGORITHMS[parse_entry(entry)[0]](entry_config(entry, cfg), collective)
+    if not ALGORITHMS[parse_entry(entry)[0]].two_tier:
+        return None
+    return entry_config(entry, cfg).group_size
+
+
+def build(entry: str, cfg: Config, comms: Comms) -> optax.GradientTransformation:
+    """The transformation of ``entry``: ``comms`` is the world collective, or ``(intra,
+    inter)`` when `group_size` is not None."""
+    check_known((entry,))
+    return ALGORITHMS[parse_entry(entry)[0]].build(entry_config(entry, cfg), comms)
 
 
 def local_sgd(cfg: Config) -> optax.GradientTransformation:
-    """The local optimizer every algorithm ends with: SGD with heavy-ball momentum."""
+    """The local optimizer of every algorithm, SGD with heavy-ball momentum: chained after
+    the gradient exchange of ``ssgd`` and ``gtc``, wrapped by ``bmuf`` and ``bmuf_gtc``."""
     return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
 
 
@@ -97,4 +135,70 @@ def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""
     return optax.chain(
         gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity), local_sgd(cfg)
+    )
+
+
+def _check_blocks(cfg: Config, models: int) -> None:
+    # The evaluated model is the global model of the last BMUF step: make that the last step.
+    if (cfg.steps - cfg.warmup_steps) % cfg.block_size or cfg.steps <= cfg.warmup_steps:
+        raise ConfigError(
+            f"steps - warmup_steps = {cfg.steps - cfg.warmup_steps} must be a positive multiple "
+            f"of block_size = {cfg.block_size}, so that the last step is a BMUF step"
+        )
+    if cfg.block_momentum is None and not 0 <= 1 - cfg.block_lr / models < 1:
+        raise ConfigError(
+            f"the default block_momentum = 1 - block_lr / {models} is outside [0, 1) "
+            f"with block_lr = {cfg.block_lr}; set block_momentum"
+        )
+
+
+def _check_bmuf(cfg: Config) -> None:
+    _check_blocks(cfg, cfg.workers)
+
+
+def _check_bmuf_gtc(cfg: Config) -> None:
+    if cfg.workers % cfg.group_size:
+        raise ConfigError(
+            f"group_size = {cfg.group_size} must divide the number of workers {cfg.workers}"
+        )
+    if cfg.warmup_steps:
+        raise ConfigError("warmup_steps must be 0: shoal.optim.bmuf_gtc has no warm-up")
+    _check_blocks(cfg, cfg.workers // cfg.group_size)
+
+
+@register("bmuf", check=_check_bmuf)
+def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """BMUF (`shoal.optim.bmuf`) around `local_sgd`: ``block_size`` local steps per worker,
+    then the BMUF step over all workers."""
+    return bmuf(
+        local_sgd(cfg),
+        collective=collective,
+        block_size=cfg.block_size,
+        block_lr=cfg.block_lr,
+        block_momentum=cfg.block_momentum,
+        nesterov=cfg.nesterov,
+        nbm=cfg.nbm,
+        warmup_steps=cfg.warmup_steps,
+        reset_inner_state=cfg.reset_inner_state,
+    )
+
+
+@register("bmuf_gtc", two_tier=True, check=_check_bmuf_gtc)
+def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransformation:
+    """Two-tier BMUF_GTC (`shoal.optim.bmuf_gtc`) around `local_sgd`: GTC
+    (``gtc_threshold``, ``gtc_capacity``) every step inside groups of ``group_size``,
+    the BMUF step across the groups every ``block_size`` steps."""
+    intra, inter = tiers
+    return bmuf_gtc(
+        local_sgd(cfg),
+        intra=intra,
+        inter=inter,
+        block_size=cfg.block_size,
+        threshold=cfg.gtc_threshold,
+        capacity=cfg.gtc_capacity,
+        block_lr=cfg.block_lr,
+        block_momentum=cfg.block_momentum,
+        nesterov=cfg.nesterov,
+        nbm=cfg.nbm,
+        reset_inner_state=cfg.reset_inner_state,
     )

@@ -3,9 +3,14 @@
 Both backends expose the same small interface to the training loop:
 
 * ``collective``: what the algorithms communicate through;
-* ``spmd(fn)``: compile a per-worker function for all of this process's workers;
+* ``two_tier(group_size)``: the ``(intra, inter)`` collectives of two-tier algorithms;
+* ``spmd(fn, group_size=None)``: compile a per-worker function for all of this
+  process's workers; with a ``group_size``, ``fn`` may use ``two_tier(group_size)``;
 * ``replicate`` / ``local``: per-worker layout of parameters and of global batches;
 * ``gather`` / ``mean_params``: host-side metrics for the root process (rank 0).
+
+Per-worker values always have the same host layout, a leading axis over this process's
+workers in rank order, whatever the tiers: only ``spmd`` knows how they are grouped.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ AXIS = "workers"
 
 class SimBackend:
     """``size`` workers in one process: per-worker values are stacked on a leading axis
-    and per-worker functions run under ``jax.vmap(..., axis_name="workers")``."""
+    and per-worker functions run under ``jax.vmap(..., axis_name="workers")``.
+
+    Two tiers are two nested vmap axes, ``"group"`` (outer, ``M = size / group_size``)
+    and ``"member"`` (inner, ``group_size``): worker ``w`` is member ``w % group_size``
+    of group ``w // group_size``, so ``spmd`` reshapes every argument from ``[size,
+    ...]`` to ``[M, group_size, ...]`` and its results back.
+    """
 
     name = "sim"
     is_root = True
@@ -34,8 +45,21 @@ class SimBackend:
         self.collective = AxisCollective(AXIS, size)
         self.local_ranks = tuple(range(size))
 
-    def spmd(self, fn):
-        return jax.jit(jax.vmap(fn, axis_name=AXIS))
+    def two_tier(self, group_size: int) -> tuple[AxisCollective, AxisCollective]:
+        return self.collective.split(group_size)
+
+    def spmd(self, fn, group_size: int | None = None):
+        if group_size is None:
+            return jax.jit(jax.vmap(fn, axis_name=AXIS))
+        intra, inter = self.two_tier(group_size)
+        nested = jax.vmap(jax.vmap(fn, axis_name=intra.axis_name), axis_name=inter.axis_name)
+
+        def grouped(*args):
+            split = lambda a: a.reshape(inter.size, intra.size, *a.shape[1:])
+            out = nested(*jax.tree.map(split, args))
+            return jax.tree.map(lambda a: a.reshape(self.size, *a.shape[2:]), out)
+
+        return jax.jit(grouped)
 
     def replicate(self, tree: Any) -> Any:
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.size, *a.shape)), tree)
@@ -74,8 +98,17 @@ class MPIBackend:
         self.size = self.comm.Get_size()
         self.is_root = self.rank == 0
         self.local_ranks = (self.rank,)
+        self._tiers = {}
 
-    def spmd(self, fn):
+    def two_tier(self, group_size: int) -> tuple[MPICollective, MPICollective]:
+        """Sub-communicators from ``comm.Split``, made once per group size: splitting is
+        collective, and every rank asks for the same sizes in the same order."""
+        if group_size not in self._tiers:
+            self._tiers[group_size] = self.collective.split(group_size)
+        return self._tiers[group_size]
+
+    def spmd(self, fn, group_size: int | None = None):
+        # One worker per process: the tiers live in the communicators, not in the layout.
         return jax.jit(fn)
 
     def replicate(self, tree: Any) -> Any:

@@ -5,6 +5,7 @@ Usage::
     shoal-run experiments/configs/quickstart.py --workers 8
     shoal-run quickstart --set steps=500 algorithms=ssgd,gtc
     mpiexec -n 4 shoal-run quickstart --backend mpi
+    shoal-run experiments/configs/acoustic_study.py   # a Study: tables over worker counts
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from shoal.experiments import algorithms
 from shoal.experiments.backends import make_backend
-from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.config import Config, ConfigError, apply_overrides, load_file
 from shoal.experiments.report import summary_table, write_run
-from shoal.experiments.tasks import GaussianMixtureTask
+from shoal.experiments.study import Study, run_study
+from shoal.experiments.tasks import make_task
 from shoal.experiments.train import train
 
 
@@ -67,8 +69,13 @@ def resolve_workers(backend: str, configured: int, requested: int | None, world:
     return world
 
 
-def _setup(args, backend):
-    cfg = apply_overrides(load_config(args.config), args.overrides)
+def _setup(args, backend, loaded):
+    if not isinstance(loaded, Config):
+        raise ConfigError(
+            f"{args.config}: get_config() must return a shoal.experiments.config.Config or "
+            f"a shoal.experiments.study.Study, got {type(loaded).__name__}"
+        )
+    cfg = apply_overrides(loaded, args.overrides)
     explicit = args.workers
     if explicit is None and any(o.partition("=")[0].strip() == "workers" for o in args.overrides):
         explicit = cfg.workers
@@ -84,28 +91,67 @@ def _setup(args, backend):
     return cfg
 
 
+# Fields a study sets per run from its rows.
+_STUDY_FIELDS = ("workers", "steps", "eval_every", "algorithms")
+
+
+def _setup_study(args, study: Study) -> Study:
+    if args.backend != "sim" or args.workers is not None:
+        raise ConfigError(
+            "a study runs its own worker counts on simulated workers: drop --workers and "
+            "--backend mpi"
+        )
+    fixed = [o for o in args.overrides if o.partition("=")[0].strip() in _STUDY_FIELDS]
+    if fixed:
+        raise ConfigError(
+            f"a study sets {', '.join(_STUDY_FIELDS)} per run: cannot --set {fixed[0]}"
+        )
+    study = dataclasses.replace(study, config=apply_overrides(study.config, args.overrides))
+    for row in study.runs():  # every run's config, before any training
+        study.run_config(row)
+    return study
+
+
+def _main_study(args, study: Study, command: str) -> int:
+    cfg = study.config
+    runs = study.runs()
+    print(f"{cfg.name}: study of {len(runs)} runs, workers "
+          f"{', '.join(map(str, sorted({r.workers for r in runs})))} (sim)")  # fmt: skip
+    out = args.out or Path("runs") / cfg.name
+    run_study(study, out, command=command, progress=not args.no_progress)
+    print((out / "summary.md").read_text())
+    print(f"wrote {out}/ (summary.md, results.jsonl, metrics.jsonl)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # MPI must exist before the config is resolved: its world size is the worker count.
     backend = make_backend("mpi") if args.backend == "mpi" else None
     is_root = backend is None or backend.is_root
+    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
     try:
-        cfg = _setup(args, backend)
+        loaded = load_file(args.config)
+        if isinstance(loaded, Study):
+            study = _setup_study(args, loaded)
+        else:
+            cfg = _setup(args, backend, loaded)
     except ConfigError as e:
         if is_root:  # every rank finds the same error; say it once
             print(f"shoal-run: error: {e}", file=sys.stderr)
         return 2
+    if isinstance(loaded, Study):
+        return _main_study(args, study, command)
     if backend is None:
         backend = make_backend("sim", cfg.workers)
 
-    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
     if args.backend == "mpi":
         command = f"mpiexec -n {backend.size} {command}"
     if is_root:
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
     try:
-        task = GaussianMixtureTask(cfg)
+        task = make_task(cfg)
         results = [
             train(cfg, task, backend, name, progress=not args.no_progress)
             for name in cfg.algorithms

@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -43,16 +43,28 @@ class Config:
     eval_every: int = 25
     seed: int = 0
 
-    # Task: an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`).
+    # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
+    # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
+    # acoustic modelling (`shoal.experiments.acoustic`).
+    task: Literal["mixture", "hmm"] = "mixture"
+    # Classes (mixture) or hidden states (hmm), and the feature dimension.
     num_classes: int = 10
     num_features: int = 32
-    # Gaussian components per class, and the scale of their means relative to the unit
-    # noise (smaller is harder; 2 components at 0.6 give a Bayes accuracy near 89%).
+    # Gaussian components per class (mixture only), and the scale of the class or state
+    # means relative to the unit noise (smaller is harder; 2 components at 0.6 give a
+    # Bayes accuracy near 89%).
     components: int = 2
     class_sep: float = 0.6
+    # Points (mixture) or sequences (hmm).
     train_size: int = 8192
     test_size: int = 2048
+    # Hidden layer widths: MLP layers (mixture) or stacked LSTM layers (hmm).
     hidden: tuple[int, ...] = (64, 64)
+    # hmm only: frames per sequence, the probability of staying in a state (mean
+    # duration 1 / (1 - p) frames), and how many other states each state can move to.
+    seq_len: int = 32
+    hmm_self_loop: float = 0.8
+    hmm_successors: int = 4
 
     # Local optimizer shared by the algorithms (SGD with heavy-ball momentum).
     learning_rate: float = 0.05
@@ -63,6 +75,22 @@ class Config:
     gtc_threshold: float = 0.1
     gtc_capacity: float = 0.08
 
+    # BMUF (`shoal.optim.bmuf`) and two-tier BMUF_GTC (`shoal.optim.bmuf_gtc`, which also
+    # reads gtc_threshold and gtc_capacity): local steps per block, block learning rate
+    # zeta, block momentum eta (None: eq. 5 with C = 1, eta = 1 - zeta / M for the M
+    # models averaged: M = workers for bmuf, workers / group_size for bmuf_gtc), Nesterov
+    # block momentum and its variant, S-SGD warm-up steps (bmuf only), and whether the
+    # local optimizer's momentum restarts after every BMUF step.
+    block_size: int = 10
+    block_lr: float = 1.0
+    block_momentum: float | None = None
+    nesterov: bool = True
+    nbm: Literal["seed", "chen_huo"] = "seed"
+    warmup_steps: int = 0
+    reset_inner_state: bool = True
+    # BMUF_GTC: workers per group P (consecutive workers; must divide workers).
+    group_size: int = 2
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -72,7 +100,8 @@ class Config:
         dupes = sorted({a for a in self.algorithms if self.algorithms.count(a) > 1})
         _check(not dupes, "algorithms", f"distinct names (repeated: {', '.join(dupes)})")
         for f in ("workers", "steps", "batch_size", "eval_every", "num_features", "components",
-                  "train_size", "test_size"):  # fmt: skip
+                  "train_size", "test_size", "seq_len", "hmm_successors", "block_size",
+                  "group_size"):  # fmt: skip
             _check(getattr(self, f) >= 1, f, "an int >= 1")
         _check(self.num_classes >= 2, "num_classes", "an int >= 2")
         _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
@@ -81,6 +110,20 @@ class Config:
         _check(0 <= self.momentum < 1, "momentum", "a float in [0, 1)")
         _check(self.gtc_threshold > 0, "gtc_threshold", "a float > 0")
         _check(0 < self.gtc_capacity <= 1, "gtc_capacity", "a float in (0, 1]")
+        if self.task == "hmm":
+            _check(
+                self.hmm_successors < self.num_classes,
+                "hmm_successors",
+                f"less than num_classes = {self.num_classes} (the successors are other states)",
+            )
+        _check(0 <= self.hmm_self_loop < 1, "hmm_self_loop", "a float in [0, 1)")
+        _check(self.block_lr > 0, "block_lr", "a float > 0")
+        _check(
+            self.block_momentum is None or 0 <= self.block_momentum < 1,
+            "block_momentum",
+            "None (eq. 5) or a float in [0, 1)",
+        )
+        _check(self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
         _check(
             self.workers * self.batch_size <= self.train_size,
             "batch_size",
@@ -94,8 +137,9 @@ def _check(ok: Any, field: str, allowed: str) -> None:
         raise ConfigError(f"config field {field!r} must be {allowed}")
 
 
-def load_config(spec: str | Path) -> Config:
-    """Run ``get_config()`` from a config file.
+def load_file(spec: str | Path) -> Any:
+    """Run ``get_config()`` from a config file and return what it returns (a `Config`, or
+    a `shoal.experiments.study.Study`).
 
     ``spec`` is a path to a ``.py`` file, or the bare name of a bundled config
     (``"quickstart"`` for ``experiments/configs/quickstart.py``).
@@ -115,10 +159,15 @@ def load_config(spec: str | Path) -> Config:
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise ConfigError(f"{path} does not define get_config()")
-    cfg = get_config()
+    return get_config()
+
+
+def load_config(spec: str | Path) -> Config:
+    """Run ``get_config()`` from a config file (see `load_file`) that returns a `Config`."""
+    cfg = load_file(spec)
     if not isinstance(cfg, Config):
         raise ConfigError(
-            f"{path}: get_config() must return a shoal.experiments.config.Config, "
+            f"{spec}: get_config() must return a shoal.experiments.config.Config, "
             f"got {type(cfg).__name__}"
         )
     return cfg

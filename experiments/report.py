@@ -32,6 +32,7 @@ SUMMARY_COLUMNS = (
     ("loss", "train loss", "{:.4f}"),
     ("test_loss", "test loss", "{:.4f}"),
     ("test_accuracy", "test acc", "{:.2%}"),
+    ("test_error", "test error", "{:.2%}"),
     ("mb_sent", "MB sent/worker", "{:.3f}"),
     ("mb_received", "MB recv/worker", "{:.3f}"),
     ("density", "sent/elements", "{:.2%}"),
@@ -90,6 +91,7 @@ def write_summary(
     path: Path, cfg: Any, summaries: Sequence[dict[str, Any]], *, backend: str, command: str
 ) -> None:
     config_rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in flatten(cfg))
+    error_note = "; the frame error" if getattr(cfg, "task", None) == "hmm" else ""
     text = f"""# {cfg.name}
 
 `{command}`: backend `{backend}`, {cfg.workers} workers.
@@ -98,8 +100,10 @@ def write_summary(
 
 {summary_table(summaries)}
 
-Train loss: mean over workers of their local batch losses at the last step. Test loss
-and accuracy: the worker-averaged parameters after the last step. MB: 10^6 bytes put on
+Train loss: mean over workers of their local batch losses at the last step. Test loss,
+accuracy and error (1 - accuracy{error_note}): the
+worker-averaged parameters after the last step (for BMUF and BMUF_GTC the global model
+of the last BMUF step, which is the last step). MB: 10^6 bytes put on
 (taken off) the wire per worker, mean over workers, as counted by
 `shoal.comms.wire_bytes`. Wall time includes compilation.
 

@@ -1,4 +1,12 @@
-"""The benchmark task: an MLP classifier on a synthetic Gaussian mixture.
+"""The benchmark tasks: `make_task` picks one by ``Config.task``; the default is an MLP
+classifier on a synthetic Gaussian mixture.
+
+A task holds its data, model and loss, with this interface (used by the runner)::
+
+    init_params()             one worker's initial parameters (seeded by cfg.seed)
+    loss(params, x, y)        the training loss of one worker's batch (jit-able)
+    batch(step, workers)      (x, y) of a 0-based step, leading axis over the workers
+    evaluate(params)          (test loss, test accuracy) of one set of parameters
 
 The data is generated from the config's seed with NumPy, so every worker, rank and
 backend sees the same points and the same batch order; nothing is downloaded.
@@ -15,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.experiments.acoustic import HMMFrameTask
+from shoal.experiments.batches import EpochBatches
 from shoal.experiments.config import Config
 
 
@@ -68,13 +78,13 @@ class MLP(nn.Module):
 
 
 class GaussianMixtureTask:
-    """Data, model, loss and batch schedule of one experiment.
+    """Data, model, loss and batch schedule of one experiment (``task="mixture"``).
 
     ``batch(step, workers)`` is the global batch of a step split into one block of
-    ``batch_size`` rows per worker: worker ``r`` trains on block ``r``. Batches walk a
-    fresh seeded permutation of the training set every epoch (the tail that does not
-    fill a global batch is dropped).
+    ``batch_size`` rows per worker: worker ``r`` trains on block ``r`` (`EpochBatches`).
     """
+
+    error_name = "test error"
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -88,8 +98,7 @@ class GaussianMixtureTask:
             seed=cfg.seed,
         )
         self.model = MLP(hidden=cfg.hidden, num_classes=cfg.num_classes)
-        self._perm_epoch = None
-        self._perm = None
+        self._batches = EpochBatches(cfg.train_size, cfg.batch_size, cfg.seed)
         self._eval = jax.jit(self._metrics)
 
     @functools.cached_property
@@ -119,12 +128,13 @@ class GaussianMixtureTask:
 
     def batch(self, step: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
         """``(x [workers, batch_size, features], y [workers, batch_size])`` of 0-based ``step``."""
-        b = self.cfg.batch_size
-        n = workers * b
-        per_epoch = self.cfg.train_size // n
-        epoch, i = divmod(step, per_epoch)
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.cfg.seed, 1, epoch])
-            self._perm, self._perm_epoch = rng.permutation(self.cfg.train_size), epoch
-        idx = self._perm[i * n : (i + 1) * n].reshape(workers, b)
+        idx = self._batches.indices(step, workers)
         return self.data.x_train[idx], self.data.y_train[idx]
+
+
+TASKS = {"mixture": GaussianMixtureTask, "hmm": HMMFrameTask}
+
+
+def make_task(cfg: Config):
+    """The task ``cfg.task`` names, built from ``cfg``."""
+    return TASKS[cfg.task](cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 from shoal.comms import wire_bytes
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config
+from shoal.optim.bmuf import BMUFState
 from shoal.optim.gtc import sent_fraction
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
@@ -52,6 +54,22 @@ def make_step(loss_fn, tx: optax.GradientTransformation):
     return step
 
 
+def evaluated_params(params: Any, opt_state: Any) -> Any:
+    """The model to test: ``params``, or, when ``opt_state`` holds a `BMUFState`, the global
+    model of the latest BMUF step (``W_g``; the filtered model ``W`` with
+    ``nbm="chen_huo"``), which is what BMUF delivers: mid-block, the workers' models are
+    local, unsynchronised ones."""
+    states = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, BMUFState))
+        if isinstance(s, BMUFState)
+    ]
+    if not states:
+        return params
+    state = states[0]
+    return state.global_params if state.filtered is None else state.filtered
+
+
 def _per_worker(values: np.ndarray) -> int | float:
     # Exact int when the workers agree (symmetric collectives), else the mean.
     return int(values[0]) if np.all(values == values[0]) else float(values.mean())
@@ -62,14 +80,26 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
 
     Every worker starts from rank 0's initial parameters (broadcast). The recorded
     loss is the mean over workers of their local batch losses; test metrics are those
-    of the worker-averaged parameters. Wire bytes are summed on the host in int64.
+    of the worker average of `evaluated_params` (for BMUF the global model, the same on
+    every worker). Wire bytes are summed on the host in int64.
+
+    A two-tier algorithm (`algorithms.group_size` not None) gets ``(intra, inter)``
+    from ``backend.two_tier`` and runs under ``backend.spmd(..., group_size=...)``.
     """
-    coll = backend.collective
-    tx = algorithms.build(algorithm, cfg, coll)
+    group_size = algorithms.group_size(algorithm, cfg)
+    if group_size is None:
+        comms = backend.collective
+        from_root = lambda p: comms.broadcast(p, 0)
+    else:
+        comms = intra, inter = backend.two_tier(group_size)
+        # Worker 0 is member 0 of group 0: to every group's member 0, then to its group.
+        from_root = lambda p: intra.broadcast(inter.broadcast(p, 0), 0)
+    spmd = functools.partial(backend.spmd, group_size=group_size)
+    tx = algorithms.build(algorithm, cfg, comms)
     start = time.perf_counter()
-    params = backend.spmd(lambda p: coll.broadcast(p, 0))(backend.replicate(task.init_params()))
-    opt_state = backend.spmd(tx.init)(params)
-    step_fn = backend.spmd(make_step(task.loss, tx))
+    params = spmd(from_root)(backend.replicate(task.init_params()))
+    opt_state = spmd(tx.init)(params)
+    step_fn = spmd(make_step(task.loss, tx))
 
     sent_total = np.zeros(backend.size, np.int64)
     received_total = np.zeros(backend.size, np.int64)
@@ -81,7 +111,7 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
         gathered = backend.gather(backend.stacked(metrics))
         evaluate = step % cfg.eval_every == 0 or step == cfg.steps
         # Every rank takes part in the average; only the root evaluates it.
-        avg = backend.mean_params(params) if evaluate else None
+        avg = backend.mean_params(evaluated_params(params, opt_state)) if evaluate else None
         if not backend.is_root:
             continue
         loss, sent, received, density = gathered
@@ -117,6 +147,7 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
             "loss": last["loss"],
             "test_loss": last["test_loss"],
             "test_accuracy": last["test_accuracy"],
+            "test_error": 1.0 - last["test_accuracy"],
             "mb_sent": last["mb_sent"],
             "mb_received": last["mb_received"],
             "density": float(np.mean([r["density"] for r in records]))

@@ -1,5 +1,6 @@
-"""The experiment runner: S-SGD against a single-worker oracle, sim against MPI, the
-run outputs, and config errors."""
+"""The experiment runner: S-SGD against a single-worker oracle, BMUF and BMUF_GTC wire
+bytes against hand counts, sim (one and two vmap tiers) against MPI, the run outputs,
+and config errors."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from shoal.experiments.config import (
 )
 from shoal.experiments.report import PLOTS
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.experiments.train import train
+from shoal.experiments.train import evaluated_params, train
+from shoal.optim import BMUFState
 
 # Each test launches its own workers (and one its own MPI job): no point in every rank
 # of an outer mpiexec repeating them.
@@ -41,9 +43,12 @@ pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner tests star
 QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 WORKERS = 4
 STEPS = 12
-ALGORITHMS = ("ssgd", "gtc")
-SMALL = ["--workers", str(WORKERS), "--set", f"steps={STEPS}", "eval_every=5",
-         "algorithms=" + ",".join(ALGORITHMS), "--no-progress"]  # fmt: skip
+BLOCK = 4
+GROUP = 2  # two groups of two workers
+ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc")
+SETS = [f"steps={STEPS}", "eval_every=5", "algorithms=" + ",".join(ALGORITHMS),
+        f"block_size={BLOCK}", f"group_size={GROUP}"]  # fmt: skip
+SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -129,8 +134,8 @@ def test_outputs_are_consistent(sim_run):
     all_recs = read_jsonl(sim_run / "metrics.jsonl")
     assert [r["algorithm"] for r in all_recs] == [a for a in ALGORITHMS for _ in range(STEPS)]
     # GTC reports how full its fixed-capacity buffer was; S-SGD has no such number.
-    assert all(0 < r["density"] <= 0.08 for r in all_recs if r["algorithm"] == "gtc")
-    assert not any("density" in r for r in all_recs if r["algorithm"] == "ssgd")
+    assert all(0 < r["density"] <= 0.08 for r in all_recs if "gtc" in r["algorithm"])
+    assert not any("density" in r for r in all_recs if r["algorithm"] in ("ssgd", "bmuf"))
     recs = [r for r in all_recs if r["algorithm"] == "ssgd"]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["step"] for r in recs if "test_loss" in r] == [5, 10, STEPS]
@@ -150,10 +155,15 @@ def test_outputs_are_consistent(sim_run):
 
     summary = (sim_run / "summary.md").read_text()
     last = recs[-1]
-    assert "| algorithm | steps | train loss | test loss | test acc | MB sent/worker" in summary
+    assert (
+        "| algorithm | steps | train loss | test loss | test acc | test error | MB sent/worker"
+        in summary
+    )
     assert f"| ssgd | {STEPS} | {last['loss']:.4f} | {last['test_loss']:.4f} | " in summary
+    assert f"| {last['test_accuracy']:.2%} | {1 - last['test_accuracy']:.2%} |" in summary
     assert f"| {last['mb_sent']:.3f} |" in summary
-    assert "| `workers` | `4` |" in summary and "| `algorithms` | `ssgd,gtc` |" in summary
+    assert "| `workers` | `4` |" in summary
+    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc` |" in summary
 
 
 def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
@@ -162,7 +172,7 @@ def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
         return algorithms.ssgd(dataclasses.replace(cfg, learning_rate=cfg.learning_rate / 10),
                                collective)  # fmt: skip
 
-    monkeypatch.setitem(algorithms.ALGORITHMS, "ssgd_slow", slow)
+    monkeypatch.setitem(algorithms.ALGORITHMS, "ssgd_slow", algorithms.Algorithm(slow))
     argv = [str(QUICKSTART), "--workers", "2", "--set", "steps=3", "algorithms=ssgd,ssgd_slow",
             "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
@@ -189,6 +199,8 @@ def test_override_types():
     assert parse_value("none", float | None) is None and parse_value("2", int | None) == 2
     assert parse_value("b", Literal["a", "b"]) == "b"
     assert parse_value("1,x", tuple[int, str]) == (1, "x")
+    cfg = apply_overrides(Config(), ["block_momentum=none", "nbm=chen_huo", "nesterov=false"])
+    assert cfg.block_momentum is None and cfg.nbm == "chen_huo" and cfg.nesterov is False
 
 
 def test_override_errors(capsys):
@@ -216,6 +228,17 @@ def test_override_errors(capsys):
     assert "gtc_threshold" in capsys.readouterr().err
     assert main([str(QUICKSTART), "--set", "algorithms=gtc[gtc_threshold=0.1"]) == 2
     assert "expected name[key=value;...]" in capsys.readouterr().err
+    # BMUF: the last step must be a BMUF step; BMUF_GTC: groups must tile the workers.
+    assert main([str(QUICKSTART), "--set", "steps=15", "algorithms=bmuf"]) == 2
+    assert "multiple of block_size = 10" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "--workers", "6", "--set", "algorithms=bmuf_gtc"]) == 2
+    assert "group_size = 4 must divide the number of workers 6" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "--set", "algorithms=bmuf_gtc[warmup_steps=10]"]) == 2
+    assert "no warm-up" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "--workers", "1", "--set", "algorithms=bmuf", "block_lr=2"]) == 2
+    assert "set block_momentum" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="block_momentum"):
+        apply_overrides(Config(), ["block_momentum=1.0"])
 
 
 def test_entry_overrides_reach_the_builder():
@@ -227,3 +250,90 @@ def test_entry_overrides_reach_the_builder():
     sub = algorithms.entry_config("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", cfg)
     assert (sub.gtc_threshold, sub.gtc_capacity) == (0.2, 0.5)
     assert algorithms.entry_config("gtc", cfg) == cfg
+
+
+def test_two_tier_sim_layout():
+    # Worker w is member w % P of group w // P; host arrays keep the flat [N, ...] layout.
+    backend = SimBackend(8)
+    intra, inter = backend.two_tier(4)
+
+    def ranks(w):
+        return w, intra.rank(), inter.rank(), intra.all_reduce(w, "sum"), inter.all_reduce(w, "sum")
+
+    w, member, group, group_sum, across_sum = backend.spmd(ranks, group_size=4)(np.arange(8.0))
+    np.testing.assert_array_equal(w, np.arange(8.0))
+    np.testing.assert_array_equal(member, np.arange(8) % 4)
+    np.testing.assert_array_equal(group, np.arange(8) // 4)
+    np.testing.assert_array_equal(group_sum, np.repeat([0 + 1 + 2 + 3, 4 + 5 + 6 + 7], 4))
+    np.testing.assert_array_equal(across_sum, np.tile([0 + 4, 1 + 5, 2 + 6, 3 + 7], 2))
+
+
+def test_bmuf_wire_bytes(sim_run):
+    recs = read_jsonl(sim_run / "metrics.jsonl")
+    task = GaussianMixtureTask(load_config(QUICKSTART))
+    nbytes = tree_nbytes(task.init_params())
+    n_elem = nbytes // 4
+    sync = [step % BLOCK == 0 for step in range(1, STEPS + 1)]
+
+    # BMUF: nothing inside a block; a ring all-reduce of the params among all 4 workers.
+    ring = 2 * (WORKERS - 1) * nbytes // WORKERS
+    bmuf = [r for r in recs if r["algorithm"] == "bmuf"]
+    assert [r["bytes_sent"] for r in bmuf] == [ring if s else 0 for s in sync]
+    assert [r["bytes_received"] for r in bmuf] == [ring if s else 0 for s in sync]
+
+    # BMUF_GTC: every step GTC's all-gather inside the group of 2 (capacity words plus a
+    # header, int32); on sync steps the all-reduce of the params between the 2 groups.
+    cap = round(load_config(QUICKSTART).gtc_capacity * n_elem)
+    gtc_bytes = (GROUP - 1) * 4 * (cap + 1)
+    groups = WORKERS // GROUP
+    across = 2 * (groups - 1) * nbytes // groups
+    two = [r for r in recs if r["algorithm"] == "bmuf_gtc"]
+    expect = [gtc_bytes + (across if s else 0) for s in sync]
+    assert [r["bytes_sent"] for r in two] == expect
+    assert [r["bytes_received"] for r in two] == expect
+    assert two[-1]["mb_sent"] == pytest.approx(sum(expect) / 1e6, rel=1e-12)
+
+
+def test_bmuf_evaluates_the_global_model():
+    # The last step is a BMUF step: every worker holds W_g, and the reported test metrics
+    # are those of that model.
+    cfg = apply_overrides(load_config(QUICKSTART), [*SETS, f"workers={WORKERS}"])
+    task = GaussianMixtureTask(cfg)
+    for name in ("bmuf", "bmuf_gtc"):
+        result = train(cfg, task, SimBackend(WORKERS), name, progress=False)
+        for leaf in jax.tree.leaves(result.params):
+            np.testing.assert_allclose(leaf, np.broadcast_to(leaf[0], leaf.shape), atol=1e-6)
+        mean = jax.tree.map(lambda a: a.mean(0), result.params)
+        loss, acc = task.evaluate(mean)
+        assert result.summary["test_loss"] == pytest.approx(loss, rel=1e-5)
+        assert result.summary["test_accuracy"] == pytest.approx(acc, abs=1e-6)
+
+
+def test_evaluated_params_picks_the_global_model():
+    state = lambda filtered: BMUFState((), "W_g", None, filtered, 0, 0, None)
+    assert evaluated_params("params", (optax.EmptyState(),)) == "params"
+    assert evaluated_params("params", (optax.EmptyState(), state(None))) == "W_g"
+    assert evaluated_params("params", {"bmuf": state("W")}) == "W"  # nbm="chen_huo"
+
+
+def test_bmuf_degenerate_cases_through_the_runner():
+    # Averaging after every plain SGD step, without block momentum, is S-SGD; one group
+    # of all workers with eq. 5's block momentum (1 - 1/1 = 0) is GTC.
+    cfg = apply_overrides(
+        load_config(QUICKSTART), ["workers=4", "steps=6", "eval_every=6", "momentum=0"]
+    )
+    task = GaussianMixtureTask(cfg)
+    backend = SimBackend(4)
+    run = lambda name: train(cfg, task, backend, name, progress=False)
+    pairs = [
+        ("ssgd", "bmuf[block_size=1;block_momentum=0;nesterov=false]"),
+        ("gtc", "bmuf_gtc[block_size=2;group_size=4]"),
+    ]
+    for flat, blocked in pairs:
+        a, b = run(flat), run(blocked)
+        jax.tree.map(
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a.params, b.params
+        )
+        np.testing.assert_allclose(
+            [r["loss"] for r in a.records], [r["loss"] for r in b.records], rtol=1e-5
+        )

@@ -1,6 +1,9 @@
-"""Quickstart: S-SGD and GTC on 8 simulated workers, well under a minute on 2 CPU cores.
+"""Quickstart: S-SGD, GTC, BMUF and two-tier BMUF_GTC on 8 simulated workers, well
+under a minute on 2 CPU cores.
 
 Run with ``shoal-run experiments/configs/quickstart.py --workers 8`` (``make run``).
+BMUF syncs every 10 steps; BMUF_GTC runs GTC inside 2 groups of 4 workers and BMUF
+across them. ``steps`` is a multiple of ``block_size``, so the last step is a BMUF step.
 """
 
 from shoal.experiments.config import Config
@@ -9,11 +12,13 @@ from shoal.experiments.config import Config
 def get_config() -> Config:
     return Config(
         name="quickstart",
-        algorithms=("ssgd", "gtc"),
+        algorithms=("ssgd", "gtc", "bmuf", "bmuf_gtc"),
         workers=8,
         steps=200,
         batch_size=32,
         eval_every=25,
         learning_rate=0.05,
         momentum=0.9,
+        block_size=10,
+        group_size=4,
     )

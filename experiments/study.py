@@ -1,0 +1,231 @@
+"""Studies: many runs at several worker counts, reported as tables against a baseline.
+
+A config file whose ``get_config()`` returns a `Study` instead of a `Config` makes
+``shoal-run`` train every row of every table on simulated workers and write
+``runs/<name>/`` with ``summary.md`` (one markdown table per `Table`: test error,
+relative reduction of the error with respect to the baseline, MB sent per worker),
+``results.jsonl`` (one summary per run) and ``metrics.jsonl`` (every step of every run)::
+
+    shoal-run experiments/configs/acoustic_study.py
+
+Every run trains from the same initial model on the same data, and sees the same
+number of training examples (``epochs`` passes over the training set), as in a paper
+that trains each method on the whole corpus: with ``N`` workers a run takes ``epochs
+* train_size / (N * batch_size)`` steps. Rows that name the same (workers, algorithm)
+run once. ``--set`` overrides apply to the shared config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.experiments import algorithms
+from shoal.experiments.backends import SimBackend
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.tasks import make_task
+from shoal.experiments.train import train
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One run: ``algorithm`` (a registry entry, brackets allowed) on ``workers``
+    simulated workers; ``labels`` are the row's leading cells."""
+
+    labels: tuple[str, ...]
+    workers: int
+    algorithm: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "labels", tuple(self.labels))
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.workers, self.algorithm
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A titled table; ``columns`` are the headers of the rows' label cells."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[Row, ...]
+    note: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "columns", tuple(self.columns))
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for r in self.rows:
+            if len(r.labels) != len(self.columns):
+                raise ConfigError(
+                    f"table {self.title!r}: row {r.labels} needs one label per column"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """Tables of runs sharing ``config`` (task, data, local optimizer, algorithm defaults;
+    its ``name`` names the output folder), each run ``epochs`` passes over the training
+    set, every error compared with ``baseline``'s. Each run is tested ``evals`` times."""
+
+    config: Config
+    tables: tuple[Table, ...]
+    epochs: int = 1
+    baseline: Row = Row(("SGD",), 1, "ssgd")
+    evals: int = 4
+    description: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "tables", tuple(self.tables))
+        if not self.tables:
+            raise ConfigError("a study needs at least one table")
+        if self.epochs < 1 or self.evals < 1:
+            raise ConfigError("a study's epochs and evals must be ints >= 1")
+
+    def runs(self) -> list[Row]:
+        """The baseline, then every distinct (workers, algorithm) in table order."""
+        seen, rows = set(), []
+        for row in (self.baseline, *(r for t in self.tables for r in t.rows)):
+            if row.key not in seen:
+                seen.add(row.key)
+                rows.append(row)
+        return rows
+
+    def run_config(self, row: Row) -> Config:
+        """The config of one run, checked by its algorithm's builder."""
+        cfg = self.config
+        per_step = row.workers * cfg.batch_size
+        if (self.epochs * cfg.train_size) % per_step:
+            raise ConfigError(
+                f"{row.algorithm} on {_workers(row.workers)}: epochs * train_size = "
+                f"{self.epochs * cfg.train_size} is not a multiple of workers * batch_size = "
+                f"{per_step}"
+            )
+        steps = self.epochs * cfg.train_size // per_step
+        try:
+            run = dataclasses.replace(
+                cfg,
+                workers=row.workers,
+                steps=steps,
+                eval_every=max(1, steps // self.evals),
+                algorithms=(row.algorithm,),
+            )
+        except ValueError as e:
+            raise ConfigError(f"{row.algorithm} on {_workers(row.workers)}: {e}") from None
+        algorithms.check_known(run.algorithms, run)
+        return run
+
+
+def run_study(
+    study: Study, out: Path, *, command: str, progress: bool = True
+) -> dict[tuple[int, str], dict[str, Any]]:
+    """Train every run of ``study`` (all configs are checked first) and write ``out``.
+    Returns the summary of every run by ``(workers, algorithm)``."""
+    rows = study.runs()
+    configs = [study.run_config(r) for r in rows]
+    start = time.perf_counter()
+    task = make_task(study.config)
+    backends: dict[int, SimBackend] = {}
+    summaries: dict[tuple[int, str], dict[str, Any]] = {}
+    records: list[dict[str, Any]] = []
+    for i, (row, cfg) in enumerate(zip(rows, configs), 1):
+        backend = backends.setdefault(row.workers, SimBackend(row.workers))
+        result = train(cfg, task, backend, row.algorithm, progress=progress)
+        summaries[row.key] = {"workers": row.workers, **result.summary}
+        records += [{"workers": row.workers, **rec} for rec in result.records]
+        s = result.summary
+        print(f"[{i}/{len(rows)}] {row.algorithm} on {_workers(row.workers)}, {cfg.steps} "
+              f"steps: test error {s['test_error']:.2%}, {s['mb_sent']:.2f} MB sent/worker, "
+              f"{s['wall_s']:.1f} s", flush=True)  # fmt: skip
+    wall = time.perf_counter() - start
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as f:
+        for s in summaries.values():
+            f.write(json.dumps(s) + "\n")
+    with open(out / "metrics.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    (out / "summary.md").write_text(
+        summary_markdown(study, summaries, task=task, command=command, wall_s=wall)
+    )
+    return summaries
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("s" if n != 1 else "")
+
+
+def relative_reduction(error: float, baseline: float) -> float:
+    """The paper's "relative error reduction" in percent: negative when worse than baseline."""
+    return 100.0 * (baseline - error) / baseline
+
+
+def table_markdown(
+    table: Table, summaries: dict[tuple[int, str], dict[str, Any]], baseline: float, error: str
+) -> str:
+    heads = (*table.columns, "steps", error, "rel. reduction (%)", "MB sent/worker", "wall s")
+    lines = [
+        "| " + " | ".join(heads) + " |",
+        "|" + "|".join(["---"] * len(table.columns) + ["---:"] * 5) + "|",
+    ]
+    for row in table.rows:
+        s = summaries[row.key]
+        cells = (
+            *row.labels,
+            str(s["steps"]),
+            f"{s['test_error']:.2%}",
+            f"{relative_reduction(s['test_error'], baseline):+.1f}",
+            f"{s['mb_sent']:.2f}",
+            f"{s['wall_s']:.1f}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_markdown(
+    study: Study,
+    summaries: dict[tuple[int, str], dict[str, Any]],
+    *,
+    task: Any,
+    command: str,
+    wall_s: float,
+) -> str:
+    cfg = study.config
+    error = getattr(task, "error_name", "test error")
+    base = summaries[study.baseline.key]
+    base_err = base["test_error"]
+    refs = getattr(task, "references", dict)()
+    ref_lines = "".join(f"- {k}: {v:.2%}\n" for k, v in refs.items())
+    tables = "\n\n".join(
+        f"## {t.title}\n\n{table_markdown(t, summaries, base_err, error)}"
+        + (f"\n\n{t.note}" if t.note else "")
+        for t in study.tables
+    )
+    base_label = f"{' '.join(study.baseline.labels)} on {_workers(study.baseline.workers)}"
+    unit = "sequences" if cfg.task == "hmm" else "examples"
+    return f"""# {cfg.name}
+
+`{command}`: {len(summaries)} runs on simulated workers, {wall_s:.0f} s in all.
+
+{study.description}
+
+Every run trains from the same initial model on the same data for {study.epochs} epoch(s) of
+the {cfg.train_size} training {unit} ({cfg.batch_size} per worker and step), and reports the
+{error} of its final model on the {cfg.test_size} test {unit} (for BMUF and BMUF_GTC the
+global model of the last BMUF step, which is the last step). "rel. reduction" is the
+paper's relative error reduction with respect to the baseline, {base_label}
+(`{study.baseline.algorithm}`): `100 * (baseline - error) / baseline`, negative is worse.
+MB: 10^6 bytes sent per worker in the whole run, as counted by `shoal.comms.wire_bytes`.
+Wall time includes compilation.
+
+Baseline {error}: {base_err:.2%} ({base["steps"]} steps, {base["wall_s"]:.1f} s).
+{ref_lines}
+{tables}
+
+Per-run summaries: `results.jsonl`; per-step metrics: `metrics.jsonl`.
+"""
