@@ -17,7 +17,8 @@ and the others stay in the residual for a later step (a rotating ``offset`` keep
 index range from starving).
 
 Each function dispatches to a Pallas (Triton) kernel on GPU and to a pure-jnp reference
-elsewhere; both give bit-identical results.
+elsewhere; both give bit-identical results. Both work under ``jax.jit`` and ``jax.vmap``
+(simulated workers; the reference pack then runs natively batched).
 
 References:
     N. Strom, "Scalable distributed DNN training using commodity GPU cloud computing",
@@ -143,7 +144,31 @@ def _pack(values, tau, offset, *, capacity, use_pallas):
     if use_pallas:
         interpret = jax.default_backend() != "gpu"
         return gtc_pack_pallas(values, tau, capacity, offset, interpret=interpret)
-    return gtc_pack_reference(values, tau, capacity, offset)
+    return _batchable_reference(capacity)(values, tau, offset)
+
+
+@functools.cache
+def _batchable_reference(capacity: int):
+    """The reference pack with a vmap rule that batches it natively.
+
+    Plain vmap would turn its decode branch into a select of both branches, and XLA:CPU
+    then re-evaluates the decode per use (several times slower). The rule instead calls
+    the reference on the stacked arrays; nested vmaps stack further leading dimensions.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def pack(values, tau, offset):
+        return gtc_pack_reference(values, tau, capacity, offset)
+
+    @pack.def_vmap
+    def _rule(axis_size, in_batched, values, tau, offset):
+        values, tau, offset = (
+            x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+            for x, batched in zip((values, tau, offset), in_batched, strict=True)
+        )
+        return pack(values, tau, offset), (True, True, True)
+
+    return pack
 
 
 def gtc_unpack(

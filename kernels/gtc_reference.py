@@ -26,6 +26,9 @@ Everything is exact integer arithmetic except the float32 ``v -+ tau`` of sent e
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -141,26 +144,8 @@ def sent_window(total: jax.Array, before: jax.Array, capacity: int):
     return s0, shift
 
 
-def _decode(rows, start_g, group, s0, shift, count):
-    """The word sent in each slot (0 for slots >= count)."""
-    slot = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    rank = jnp.where(slot >= s0, slot + shift, slot)
-    lo, hi = _transpose8x8(*_mask_words(rows))
-    pos = _select_bit(lo, hi, rank - start_g)  # element 8 j + l of the group
-    j, col = pos >> 3, pos & 7
-    column = rows[:, 0]
-    for c in range(1, 8):
-        column = jnp.where(col == c, rows[:, c], column)
-    negative = (column >> (8 + j).astype(jnp.uint16)) & 1 == 1
-    # One output only: XLA:CPU would re-evaluate the whole chain for each extra output.
-    return jnp.where(slot < count, (group * GROUP + pos) | jnp.where(negative, SIGN_BIT, 0), 0)
-
-
-def gtc_pack_reference(
-    values: jax.Array, tau: jax.Array, capacity: int, offset: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """jnp reference of :func:`shoal.kernels.gtc_pack` (arguments already validated)."""
-    n = values.shape[0]
+def _locate(values, tau, offset, capacity):
+    """Everything up to the bit select, for one 1-D ``values``."""
     rows = _pack_groups(values, tau)
     # A reduce (not a chain of adds), so that XLA materialises it instead of re-evaluating
     # it inside every level of the scan below.
@@ -169,7 +154,7 @@ def gtc_pack_reference(
     start = incl - cnt  # index-order rank of each group's first qualifying element
     total = incl[-1]
 
-    # Qualifying elements before `offset`, and from it on.
+    # Qualifying elements before `offset`.
     g_off = offset // GROUP
     t_lo, t_hi = _transpose8x8(*_mask_words(rows[g_off]))
     r = (offset % GROUP).astype(jnp.uint32)
@@ -185,26 +170,69 @@ def gtc_pack_reference(
     first_slot = jnp.minimum(start, s0) + jnp.clip(start - shift - s0, 0, capacity - s0)
     marks = jnp.zeros(capacity, jnp.int32).at[first_slot[1:]].add(1, mode="drop")
     group = _inclusive_cumsum(marks)
+    return rows[group], start[group], group, s0, shift, count
 
-    # The branch boundary materialises the gathered rows: fused into the bit-select
-    # chain, XLA:CPU would re-evaluate them per use (about 7x slower).
-    words = lax.cond(
-        count > 0,
-        _decode,
-        lambda *a: jnp.zeros(capacity, jnp.int32),
-        rows[group],
-        start[group],
-        group,
-        s0,
-        shift,
-        count,
-    )
-    # Elements not sent are never written: their residual is bit-identical to values.
+
+def _decode(rows, start_g, group, s0, shift, count):
+    """The word sent in each slot (0 for slots >= count)."""
+    slot = jnp.arange(group.shape[-1], dtype=jnp.int32)
+    rank = jnp.where(slot >= s0, slot + shift, slot)
+    lo, hi = _transpose8x8(*_mask_words(rows))
+    pos = _select_bit(lo, hi, rank - start_g)  # element 8 j + l of the group
+    j, col = pos >> 3, pos & 7
+    column = rows[..., 0]
+    for c in range(1, 8):
+        column = jnp.where(col == c, rows[..., c], column)
+    negative = (column >> (8 + j).astype(jnp.uint16)) & 1 == 1
+    # One output only: XLA:CPU would re-evaluate the whole chain for each extra output.
+    return jnp.where(slot < count, (group * GROUP + pos) | jnp.where(negative, SIGN_BIT, 0), 0)
+
+
+def _residual(values, tau, words, count):
+    """``values`` with the sent words' ``-+tau`` added; other elements never written."""
+    index = jnp.where(jnp.arange(words.shape[0]) < count, words & INDEX_MASK, values.shape[0])
     # v + (-tau) is bit-identical to v - tau.
-    index = jnp.where(jnp.arange(capacity) < count, words & INDEX_MASK, n)
     update = jnp.where(words < 0, tau, -tau)
-    remainder = values.at[index].add(update, mode="drop", indices_are_sorted=True)
-    return words, count, remainder
+    return values.at[index].add(update, mode="drop", indices_are_sorted=True)
+
+
+def gtc_pack_reference(
+    values: jax.Array, tau: jax.Array, capacity: int, offset: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """jnp reference of :func:`shoal.kernels.gtc_pack` (arguments already validated).
+
+    Batched natively: ``values`` may be ``[..., n]`` with ``tau`` and ``offset``
+    broadcastable to its leading dimensions (the vmap rule of ``gtc_pack`` uses this).
+    """
+    *lead, n = values.shape
+    locate = functools.partial(_locate, capacity=capacity)
+    # The decode runs in a branch: its operands are then materialised, whereas fused
+    # into the bit-select chain XLA:CPU would re-evaluate the gathers per use (about 7x
+    # slower). The predicate is one scalar, so that the branch survives batching.
+    if not lead:
+        located = locate(values, tau, offset)
+        count = located[-1]
+        words = lax.cond(count > 0, _decode, lambda *a: jnp.zeros(capacity, jnp.int32), *located)
+        return words, count, _residual(values, tau, words, count)
+
+    batch = math.prod(lead)
+    values = values.reshape(batch, n)
+    tau = jnp.broadcast_to(tau, lead).reshape(batch)
+    offset = jnp.broadcast_to(offset, lead).reshape(batch)
+    located = jax.vmap(locate)(values, tau, offset)
+    count = located[-1]
+    words = lax.cond(
+        jnp.any(count > 0),
+        jax.vmap(_decode),
+        lambda *a: jnp.zeros((batch, capacity), jnp.int32),
+        *located,
+    )
+    remainder = jax.vmap(_residual)(values, tau, words, count)
+    return (
+        words.reshape(*lead, capacity),
+        count.reshape(lead),
+        remainder.reshape(*lead, n),
+    )
 
 
 def gtc_unpack_reference(

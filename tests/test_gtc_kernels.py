@@ -161,6 +161,31 @@ def test_donated_values_are_updated_in_place():
     assert_pack_equal(result, expected)
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_vmap_over_workers(impl):
+    """Simulated workers: vmap (also nested, as for two-tier groups) packs each row."""
+    rng = np.random.default_rng(10)
+    groups, members, n, capacity = 2, 3, 700, 25
+    v = rng.standard_normal((groups, members, n)).astype(np.float32)
+    tau = np.float32(1.2)
+    offsets = rng.integers(0, n, (groups, members)).astype(np.int32)
+    pack = functools.partial(gtc_pack, capacity=capacity, impl=impl)
+
+    flat = jax.jit(jax.vmap(lambda v, o: pack(v, tau, offset=o)))
+    words, count, remainder = flat(v[0], offsets[0])
+    for m in range(members):
+        expected = pack_oracle(v[0, m], tau, capacity, offsets[0, m])
+        assert_pack_equal((words[m], count[m], remainder[m]), expected)
+
+    taus = np.float32(1.0) + rng.random((groups, members)).astype(np.float32)
+    nested = jax.jit(jax.vmap(jax.vmap(lambda v, t, o: pack(v, t, offset=o))))
+    words, count, remainder = nested(v, taus, offsets)
+    for g in range(groups):
+        for m in range(members):
+            expected = pack_oracle(v[g, m], taus[g, m], capacity, offsets[g, m])
+            assert_pack_equal((words[g, m], count[g, m], remainder[g, m]), expected)
+
+
 # -------------------------------------------------------------------------- unpack
 
 
