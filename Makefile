@@ -12,7 +12,7 @@ export JAX_PLATFORMS ?= cpu
 MPI_RANKS ?= 4
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-mpi bench lint clean venv
+.PHONY: run test test-sim test-mpi bench study lint clean venv
 
 venv: $(STAMP)
 
@@ -42,7 +42,13 @@ test-mpi: $(STAMP)
 		$(PY) -m pytest -q -m mpi -p no:cacheprovider tests
 
 bench: $(STAMP)
-	set -e; for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f; done
+	$(PY) benchmarks/gtc_pack.py
+	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) $(PY) benchmarks/compressed_allreduce.py
+
+# The longer experiments behind the README's results (minutes each on 2 cores).
+study: $(STAMP)
+	$(BIN)/shoal-run experiments/configs/gtc_sweep.py
+	$(BIN)/shoal-run experiments/configs/acoustic_study.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,6 +9,10 @@ above the density it produces on this task with capacity 1.0 (10%, 3.8%, 1.2%, 0
 which is how a user sizes the buffer; the ``sent/elements`` column shows how full the
 buffer was. The last two entries keep tau and shrink the capacity below that density:
 overflow delays gradient mass in the residual (none is lost) at fewer bytes.
+
+Measured (seed 0): S-SGD 84.0% test accuracy at 9.69 MB per worker; the four sized
+entries 80.2-82.5% at 4.66 to 0.20 MB; tau 0.1 squeezed to 2% and 0.5% capacity falls to
+62% and 55%: the residual piles up faster than the buffer drains it.
 """
 
 from shoal.experiments.config import Config
