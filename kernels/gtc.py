@@ -35,21 +35,13 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from shoal.kernels import dispatch
 from shoal.kernels.gtc_pallas import gtc_pack_pallas, gtc_unpack_pallas
 from shoal.kernels.gtc_reference import gtc_pack_reference, gtc_unpack_reference
 
 __all__ = ["gtc_pack", "gtc_unpack"]
 
 _MAX_SIZE = 2**31 - 1  # indices live in bits 0-30 of a word
-_IMPLS = (None, "reference", "pallas")
-
-
-def _use_pallas(impl: str | None) -> bool:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be None, 'reference' or 'pallas', got {impl!r}")
-    if impl is None:
-        return jax.default_backend() == "gpu"
-    return impl == "pallas"
 
 
 def _static_int(value, name: str, low: int, high: int) -> int:
@@ -116,7 +108,7 @@ def gtc_pack(
       float32[n] is ``v - tau`` / ``v + tau`` at the sent positives / negatives and
       bit-identical to ``values`` (NaN and -0.0 included) everywhere else.
     """
-    use_pallas = _use_pallas(impl)
+    use_pallas = dispatch.use_pallas(impl)
     # Check the caller's dtype before jnp.asarray could silently narrow float64.
     if getattr(values, "dtype", jnp.float32) != jnp.float32:
         raise TypeError(f"values must be float32, got dtype {values.dtype}")
@@ -196,7 +188,7 @@ def gtc_unpack(
       size: static int in ``[1, 2**31 - 1]``, the length of the dense output.
       impl: as for :func:`gtc_pack`.
     """
-    use_pallas = _use_pallas(impl)
+    use_pallas = dispatch.use_pallas(impl)
     if getattr(words, "dtype", jnp.int32) != jnp.int32:
         raise TypeError(f"words must be int32, got dtype {words.dtype}")
     words = jnp.asarray(words)

@@ -34,20 +34,11 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from shoal.kernels import dispatch
 from shoal.kernels.sign_pallas import sign_pack_pallas, sign_unpack_pallas
 from shoal.kernels.sign_reference import rms, sign_pack_reference, sign_unpack_reference
 
 __all__ = ["sign_pack", "sign_unpack"]
-
-_IMPLS = (None, "reference", "pallas")
-
-
-def _use_pallas(impl: str | None) -> bool:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be None, 'reference' or 'pallas', got {impl!r}")
-    if impl is None:
-        return jax.default_backend() == "gpu"
-    return impl == "pallas"
 
 
 def sign_pack(values: jax.Array, *, impl: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -62,7 +53,7 @@ def sign_pack(values: jax.Array, *, impl: str | None = None) -> tuple[jax.Array,
       ``(bits, scale)``: uint8[..., ceil(n / 8)] in the layout of the module docstring,
       and float32[...] ``sqrt(sum(v * v) / n)`` over the last axis.
     """
-    use_pallas = _use_pallas(impl)
+    use_pallas = dispatch.use_pallas(impl)
     # Check the caller's dtype before jnp.asarray could silently narrow float64.
     if getattr(values, "dtype", jnp.float32) != jnp.float32:
         raise TypeError(f"values must be float32, got dtype {values.dtype}")
@@ -103,7 +94,7 @@ def sign_unpack(
     Returns:
       float32[..., size], each element exactly ``+scale`` or ``-scale``.
     """
-    use_pallas = _use_pallas(impl)
+    use_pallas = dispatch.use_pallas(impl)
     if getattr(bits, "dtype", jnp.uint8) != jnp.uint8:
         raise TypeError(f"bits must be uint8, got dtype {bits.dtype}")
     bits = jnp.asarray(bits)
