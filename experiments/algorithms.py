@@ -33,7 +33,7 @@ import optax
 
 from shoal.comms import Collective
 from shoal.experiments.config import Config, ConfigError
-from shoal.optim import allreduce_gradients, bmuf, bmuf_gtc, gtc
+from shoal.optim import allreduce_gradients, bmuf, bmuf_gtc, gtc, onebit_lamb
 
 Comms = Collective | tuple[Collective, Collective]
 Builder = Callable[[Config, Comms], optax.GradientTransformation]
@@ -202,3 +202,64 @@ def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransform
         nbm=cfg.nbm,
         reset_inner_state=cfg.reset_inner_state,
     )
+
+
+def freeze_step(cfg: Config) -> int:
+    """1-bit LAMB's last warm-up step: ``onebit_freeze_step``, else
+    ``round(onebit_freeze_fraction * steps)`` (at least 1)."""
+    if cfg.onebit_freeze_step is not None:
+        return cfg.onebit_freeze_step
+    return max(1, round(cfg.onebit_freeze_fraction * cfg.steps))
+
+
+def lamb_schedule(cfg: Config) -> optax.ScalarOrSchedule:
+    """``lamb_learning_rate`` with a linear warm-up over ``lamb_lr_warmup * steps`` steps,
+    then constant or decaying (``lamb_lr_decay``) to 0 after the last step."""
+    peak, warm = cfg.lamb_learning_rate, round(cfg.lamb_lr_warmup * cfg.steps)
+    if warm == 0 and cfg.lamb_lr_decay == "constant":
+        return peak
+    rest = max(cfg.steps - warm, 1)
+    after = {
+        "constant": optax.constant_schedule(peak),
+        "cosine": optax.cosine_decay_schedule(peak, rest),
+        "linear": optax.linear_schedule(peak, 0.0, rest),
+    }[cfg.lamb_lr_decay]
+    if warm == 0:
+        return after
+    # Starts at peak / warm, not 0: step 0 is a real step.
+    ramp = optax.linear_schedule(peak / warm, peak, warm - 1)
+    return optax.join_schedules([ramp, after], [warm])
+
+
+def _lamb(cfg: Config, collective: Any, freeze: int) -> optax.GradientTransformation:
+    return onebit_lamb(
+        lamb_schedule(cfg),
+        collective=collective,
+        freeze_step=freeze,
+        b1=cfg.lamb_b1,
+        b2=cfg.lamb_b2,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+@register("lamb")
+def lamb(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """LAMB on the all-reduced gradients, the uncompressed baseline of ``onebit_lamb``:
+    `shoal.optim.onebit_lamb` whose warm-up stage (a dense all-reduce, then LAMB without
+    bias correction) never ends, so it runs the same rule as 1-bit LAMB's warm-up."""
+    return _lamb(cfg, collective, cfg.steps + 1)
+
+
+def _check_onebit(cfg: Config) -> None:
+    if freeze_step(cfg) >= cfg.steps:
+        raise ConfigError(
+            f"the freeze step {freeze_step(cfg)} must be less than steps = {cfg.steps}, "
+            "or nothing is compressed (that is 'lamb')"
+        )
+
+
+@register("onebit_lamb", check=_check_onebit)
+def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """1-bit LAMB (`shoal.optim.onebit_lamb`): `lamb` for `freeze_step` steps, then the
+    momentum through the 1-bit compressed all-reduce with the frozen variance."""
+    return _lamb(cfg, collective, freeze_step(cfg))

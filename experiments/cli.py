@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         summaries,
         backend=args.backend,
         command=command,
+        task=task,
     )
     print(summary_table(summaries))
     print(f"wrote {out}/ (summary.md, metrics.jsonl, metrics.csv, loss_vs_step.png, "

@@ -45,8 +45,9 @@ class Config:
 
     # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
     # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
-    # acoustic modelling (`shoal.experiments.acoustic`).
-    task: Literal["mixture", "hmm"] = "mixture"
+    # acoustic modelling (`shoal.experiments.acoustic`), or "lm", a byte-level transformer
+    # language model on the Python standard library's source (`shoal.experiments.lm`).
+    task: Literal["mixture", "hmm", "lm"] = "mixture"
     # Classes (mixture) or hidden states (hmm), and the feature dimension.
     num_classes: int = 10
     num_features: int = 32
@@ -55,20 +56,40 @@ class Config:
     # Bayes accuracy near 89%).
     components: int = 2
     class_sep: float = 0.6
-    # Points (mixture) or sequences (hmm).
+    # Points (mixture), sequences (hmm) or byte windows (lm).
     train_size: int = 8192
     test_size: int = 2048
     # Hidden layer widths: MLP layers (mixture) or stacked LSTM layers (hmm).
     hidden: tuple[int, ...] = (64, 64)
-    # hmm only: frames per sequence, the probability of staying in a state (mean
-    # duration 1 / (1 - p) frames), and how many other states each state can move to.
+    # Frames per sequence (hmm) or bytes per example (lm); hmm only: the probability of
+    # staying in a state (mean duration 1 / (1 - p) frames), and how many other states each
+    # state can move to.
     seq_len: int = 32
     hmm_self_loop: float = 0.8
     hmm_successors: int = 4
+    # lm only: transformer width, blocks and attention heads (heads must divide width).
+    lm_width: int = 64
+    lm_layers: int = 2
+    lm_heads: int = 4
 
     # Local optimizer shared by the algorithms (SGD with heavy-ball momentum).
     learning_rate: float = 0.05
     momentum: float = 0.9
+
+    # LAMB and 1-bit LAMB (`shoal.optim.onebit_lamb`), full optimizers on the workers'
+    # local gradients: peak learning rate, moment decays, decoupled weight decay, and
+    # the schedule: linear warm-up over lamb_lr_warmup * steps, then constant or decay
+    # (cosine or linear) to 0 after the last step. 1-bit LAMB's warm-up stage (dense
+    # all-reduce) lasts onebit_freeze_step steps, or round(onebit_freeze_fraction * steps)
+    # when that is None; "lamb" is the warm-up stage for every step.
+    lamb_learning_rate: float = 0.02
+    lamb_b1: float = 0.9
+    lamb_b2: float = 0.999
+    weight_decay: float = 0.0
+    lamb_lr_warmup: float = 0.0
+    lamb_lr_decay: Literal["constant", "cosine", "linear"] = "constant"
+    onebit_freeze_fraction: float = 0.15
+    onebit_freeze_step: int | None = None
 
     # GTC (`shoal.optim.gtc`): threshold tau, and words per worker per step as a
     # fraction of the parameters.
@@ -101,13 +122,29 @@ class Config:
         _check(not dupes, "algorithms", f"distinct names (repeated: {', '.join(dupes)})")
         for f in ("workers", "steps", "batch_size", "eval_every", "num_features", "components",
                   "train_size", "test_size", "seq_len", "hmm_successors", "block_size",
-                  "group_size"):  # fmt: skip
+                  "group_size", "lm_width", "lm_layers", "lm_heads"):  # fmt: skip
             _check(getattr(self, f) >= 1, f, "an int >= 1")
         _check(self.num_classes >= 2, "num_classes", "an int >= 2")
         _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
         _check(self.class_sep > 0, "class_sep", "a float > 0")
         _check(self.learning_rate > 0, "learning_rate", "a float > 0")
         _check(0 <= self.momentum < 1, "momentum", "a float in [0, 1)")
+        _check(
+            self.lm_width % self.lm_heads == 0,
+            "lm_heads",
+            f"a divisor of lm_width = {self.lm_width}",
+        )
+        _check(self.lamb_learning_rate > 0, "lamb_learning_rate", "a float > 0")
+        _check(0 <= self.lamb_b1 < 1, "lamb_b1", "a float in [0, 1)")
+        _check(0 <= self.lamb_b2 < 1, "lamb_b2", "a float in [0, 1)")
+        _check(self.weight_decay >= 0, "weight_decay", "a float >= 0")
+        _check(0 <= self.lamb_lr_warmup < 1, "lamb_lr_warmup", "a float in [0, 1)")
+        _check(0 < self.onebit_freeze_fraction < 1, "onebit_freeze_fraction", "a float in (0, 1)")
+        _check(
+            self.onebit_freeze_step is None or self.onebit_freeze_step >= 1,
+            "onebit_freeze_step",
+            "None (from onebit_freeze_fraction) or an int >= 1",
+        )
         _check(self.gtc_threshold > 0, "gtc_threshold", "a float > 0")
         _check(0 < self.gtc_capacity <= 1, "gtc_capacity", "a float in (0, 1]")
         if self.task == "hmm":

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
 
+from shoal.experiments import algorithms
 from shoal.experiments.config import flatten
 
 COLUMNS = (
@@ -39,6 +41,7 @@ SUMMARY_COLUMNS = (
     ("wall_s", "wall s", "{:.1f}"),
 )
 PLOTS = ("loss_vs_step.png", "loss_vs_mb.png")
+SAMPLES_PLOT = "test_loss_vs_samples.png"  # with a LAMB / 1-bit LAMB pair
 
 
 def summary_table(summaries: Sequence[dict[str, Any]]) -> str:
@@ -87,11 +90,111 @@ def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str
     fig.savefig(path, dpi=120)
 
 
+def onebit_pair(cfg: Any) -> tuple[str, str] | None:
+    """The first ``lamb`` and ``onebit_lamb`` entries of ``cfg.algorithms``, if both exist."""
+    first = {}
+    for entry in cfg.algorithms:
+        first.setdefault(algorithms.parse_entry(entry)[0], entry)
+    if "lamb" in first and "onebit_lamb" in first:
+        return first["lamb"], first["onebit_lamb"]
+    return None
+
+
+def volume_reduction(warmup_fraction: float, bits: int) -> float:
+    """Li et al. (2021), section 5: end-to-end communication volume reduction of 1-bit
+    LAMB over dense ``bits``-bit all-reduce with a warm-up fraction ``w`` of the steps,
+    ``1 / (w + (1 - w) / bits)``."""
+    w = warmup_fraction
+    return 1.0 / (w + (1.0 - w) / bits)
+
+
+def samples(cfg: Any, step: int) -> int:
+    """Training examples consumed by all workers up to ``step``."""
+    return step * cfg.workers * cfg.batch_size
+
+
+def plot_test_vs_samples(path: Path, cfg: Any, records: Sequence[dict[str, Any]]) -> None:
+    """Test (validation) loss against the examples seen, one line per algorithm."""
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in records)):
+        ev = [r for r in records if r["algorithm"] == name and "test_loss" in r]
+        ax.plot([samples(cfg, r["step"]) for r in ev], [r["test_loss"] for r in ev], "o-",
+                color=f"C{i}", ms=3, label=name)  # fmt: skip
+    pair = onebit_pair(cfg)
+    if pair is not None:
+        freeze = algorithms.freeze_step(algorithms.entry_config(pair[1], cfg))
+        ax.axvline(samples(cfg, freeze), color="grey", ls=":", label="1-bit LAMB freeze step")
+    unit = f" (windows of {cfg.seq_len} bytes)" if getattr(cfg, "task", None) == "lm" else ""
+    ax.set_xlabel(f"training samples{unit}")
+    ax.set_ylabel("validation loss (nats per byte)" if unit else "test loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def onebit_section(
+    cfg: Any, records: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]]
+) -> str:
+    """Markdown comparing the ``lamb`` and ``onebit_lamb`` entries (see `onebit_pair`):
+    final test loss and gap, MB sent per worker, and the measured volume reduction next
+    to the paper's formula (`volume_reduction`). Empty without such a pair."""
+    pair = onebit_pair(cfg)
+    if pair is None:
+        return ""
+    by_name = {s["algorithm"]: s for s in summaries}
+    base, one = by_name[pair[0]], by_name[pair[1]]
+    sub = algorithms.entry_config(pair[1], cfg)
+    freeze, steps = algorithms.freeze_step(sub), sub.steps
+    w = freeze / steps
+    rows = [r for r in records if r["algorithm"] == pair[1]]
+    warm_bytes, comp_bytes = rows[0]["bytes_sent"], rows[-1]["bytes_sent"]
+    measured = base["mb_sent"] / one["mb_sent"]
+    gap = one["test_loss"] - base["test_loss"]
+    lm = getattr(cfg, "task", None) == "lm"
+    what = "validation loss (nats per byte)" if lm else "test loss"
+    bpb = lambda s: f" ({s['test_loss'] / math.log(2):.4f} bits per byte)" if lm else ""
+    return f"""
+## LAMB vs 1-bit LAMB
+
+Same initial model and batches; 1-bit LAMB runs the LAMB rule on dense all-reduced
+gradients for its first {freeze} of {steps} steps (warm-up fraction w = {w:.3f}), then
+sends its momentum through the 1-bit compressed all-reduce. `{pair[0]}` is that warm-up
+rule for all {steps} steps.
+
+| | `{pair[0]}` | `{pair[1]}` |
+|---|---:|---:|
+| final {what} | {base["test_loss"]:.4f}{bpb(base)} | {one["test_loss"]:.4f}{bpb(one)} |
+| MB sent per worker | {base["mb_sent"]:.3f} | {one["mb_sent"]:.3f} |
+
+- Gap (1-bit LAMB - LAMB) in final {what}: {gap:+.4f} ({gap / base["test_loss"]:+.2%}).
+- Bytes sent per worker and step by 1-bit LAMB: {warm_bytes:,} in warm-up (float32 ring
+  all-reduce), {comp_bytes:,} compressed: {warm_bytes / comp_bytes:.1f}x fewer per step.
+- End-to-end volume reduction, measured (LAMB MB / 1-bit LAMB MB): **{measured:.2f}x**.
+  The paper's formula 1 / (w + (1 - w) / 32) for a float32 all-reduce:
+  **{volume_reduction(w, 32):.2f}x**; for reference, against an fp16 all-reduce as in the
+  paper, 1 / (w + (1 - w) / 16) = {volume_reduction(w, 16):.2f}x. (The formula counts one
+  bit per element; the measured figure also pays the padding and the per-chunk scales.)
+
+![test loss vs samples]({SAMPLES_PLOT})
+"""
+
+
 def write_summary(
-    path: Path, cfg: Any, summaries: Sequence[dict[str, Any]], *, backend: str, command: str
+    path: Path,
+    cfg: Any,
+    summaries: Sequence[dict[str, Any]],
+    *,
+    backend: str,
+    command: str,
+    extra: str = "",
 ) -> None:
     config_rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in flatten(cfg))
-    error_note = "; the frame error" if getattr(cfg, "task", None) == "hmm" else ""
+    error_note = {
+        "hmm": "; the frame error",
+        "lm": "; the next-byte error, on the validation files",
+    }
+    error_note = error_note.get(getattr(cfg, "task", None), "")
     text = f"""# {cfg.name}
 
 `{command}`: backend `{backend}`, {cfg.workers} workers.
@@ -111,7 +214,7 @@ of the last BMUF step, which is the last step). MB: 10^6 bytes put on
 ![loss vs MB sent]({PLOTS[1]})
 
 Per-step metrics: `metrics.jsonl`, `metrics.csv`.
-
+{extra}
 ## Config
 
 | key | value |
@@ -129,13 +232,23 @@ def write_run(
     *,
     backend: str,
     command: str,
+    task: Any = None,
 ) -> list[Path]:
-    """Write every output file of a run into ``out``; returns their paths."""
+    """Write every output file of a run into ``out``; returns their paths. With a
+    ``lamb`` and ``onebit_lamb`` entry, the summary gains `onebit_section` and its plot;
+    a ``task`` with ``corpus_info()`` adds a data section."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / n for n in ("metrics.jsonl", "metrics.csv", *PLOTS, "summary.md")]
     write_jsonl(paths[0], records)
     write_csv(paths[1], records)
     plot_loss(paths[2], records, "step", "step")
     plot_loss(paths[3], records, "mb_sent", "MB sent per worker (cumulative)")
-    write_summary(paths[4], cfg, summaries, backend=backend, command=command)
+    extra = onebit_section(cfg, records, summaries)
+    if extra:
+        paths.append(out / SAMPLES_PLOT)
+        plot_test_vs_samples(paths[-1], cfg, records)
+    info = getattr(task, "corpus_info", None)
+    if info is not None:
+        extra += "\n## Data\n\n" + "\n".join(f"- {k}: {v}" for k, v in info().items()) + "\n"
+    write_summary(paths[4], cfg, summaries, backend=backend, command=command, extra=extra)
     return paths

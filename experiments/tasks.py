@@ -26,6 +26,7 @@ import optax
 from shoal.experiments.acoustic import HMMFrameTask
 from shoal.experiments.batches import EpochBatches
 from shoal.experiments.config import Config
+from shoal.experiments.lm import ByteLMTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ class GaussianMixtureTask:
         return self.data.x_train[idx], self.data.y_train[idx]
 
 
-TASKS = {"mixture": GaussianMixtureTask, "hmm": HMMFrameTask}
+TASKS = {"mixture": GaussianMixtureTask, "hmm": HMMFrameTask, "lm": ByteLMTask}
 
 
 def make_task(cfg: Config):

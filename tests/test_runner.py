@@ -45,7 +45,7 @@ WORKERS = 4
 STEPS = 12
 BLOCK = 4
 GROUP = 2  # two groups of two workers
-ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc")
+ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb")
 SETS = [f"steps={STEPS}", "eval_every=5", "algorithms=" + ",".join(ALGORITHMS),
         f"block_size={BLOCK}", f"group_size={GROUP}"]  # fmt: skip
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
@@ -135,7 +135,9 @@ def test_outputs_are_consistent(sim_run):
     assert [r["algorithm"] for r in all_recs] == [a for a in ALGORITHMS for _ in range(STEPS)]
     # GTC reports how full its fixed-capacity buffer was; S-SGD has no such number.
     assert all(0 < r["density"] <= 0.08 for r in all_recs if "gtc" in r["algorithm"])
-    assert not any("density" in r for r in all_recs if r["algorithm"] in ("ssgd", "bmuf"))
+    assert not any(
+        "density" in r for r in all_recs if r["algorithm"] in ("ssgd", "bmuf", "onebit_lamb")
+    )
     recs = [r for r in all_recs if r["algorithm"] == "ssgd"]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["step"] for r in recs if "test_loss" in r] == [5, 10, STEPS]
@@ -163,7 +165,7 @@ def test_outputs_are_consistent(sim_run):
     assert f"| {last['test_accuracy']:.2%} | {1 - last['test_accuracy']:.2%} |" in summary
     assert f"| {last['mb_sent']:.3f} |" in summary
     assert "| `workers` | `4` |" in summary
-    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc` |" in summary
+    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc,onebit_lamb` |" in summary
 
 
 def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
