@@ -17,15 +17,12 @@ downloaded.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from shoal.experiments.batches import EpochBatches
+from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
 
 
@@ -107,20 +104,19 @@ class LSTMFrameClassifier(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
-class HMMFrameTask:
+class HMMFrameTask(ClassifierTask):
     """Frame classification of HMM sequences with `LSTMFrameClassifier`.
 
     Reads ``num_classes`` (states), ``num_features``, ``class_sep``, ``seq_len``,
     ``hmm_self_loop``, ``hmm_successors``, ``hidden`` (LSTM widths), and ``train_size``,
-    ``test_size``, ``batch_size`` counted in sequences. Same interface as
-    `shoal.experiments.tasks.GaussianMixtureTask`; ``evaluate`` gives frame accuracy
+    ``test_size``, ``batch_size`` counted in sequences. A
+    `shoal.experiments.classifier.ClassifierTask`; ``evaluate`` gives frame accuracy
     (the frame error is one minus it).
     """
 
     error_name = "frame error"
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
         self.hmm = random_hmm(
             states=cfg.num_classes,
             features=cfg.num_features,
@@ -132,38 +128,9 @@ class HMMFrameTask:
         rng = np.random.default_rng([cfg.seed, 2])
         self.x_train, self.y_train = self.hmm.sample(cfg.train_size, cfg.seq_len, rng)
         self.x_test, self.y_test = self.hmm.sample(cfg.test_size, cfg.seq_len, rng)
-        self.model = LSTMFrameClassifier(hidden=cfg.hidden, num_classes=cfg.num_classes)
-        self._batches = EpochBatches(cfg.train_size, cfg.batch_size, cfg.seed)
-        self._eval = jax.jit(self._metrics)
-
-    @functools.cached_property
-    def _init(self):
-        x = jnp.zeros((1, self.cfg.seq_len, self.cfg.num_features), jnp.float32)
-        return jax.jit(self.model.init)(jax.random.key(self.cfg.seed), x)["params"]
-
-    def init_params(self):
-        """The initial parameters of one worker (seeded by ``cfg.seed``)."""
-        return self._init
-
-    def loss(self, params, x, y) -> jax.Array:
-        """Mean softmax cross-entropy over every frame of the batch."""
-        logits = self.model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def _metrics(self, params, x, y):
-        logits = self.model.apply({"params": params}, x)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, jnp.mean(jnp.argmax(logits, -1) == y)
-
-    def evaluate(self, params) -> tuple[float, float]:
-        """``(test loss, test frame accuracy)`` of one set of parameters."""
-        loss, acc = self._eval(params, self.x_test, self.y_test)
-        return float(loss), float(acc)
-
-    def batch(self, step: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(x [workers, batch_size, seq_len, features], y [workers, batch_size, seq_len])``."""
-        idx = self._batches.indices(step, workers)
-        return self.x_train[idx], self.y_train[idx]
+        model = LSTMFrameClassifier(hidden=cfg.hidden, num_classes=cfg.num_classes)
+        example = jnp.zeros((1, cfg.seq_len, cfg.num_features), jnp.float32)
+        super().__init__(cfg, model, example)
 
     def references(self) -> dict[str, float]:
         """Test frame errors of classifiers that know the true HMM."""

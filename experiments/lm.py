@@ -15,18 +15,15 @@ Python version (recorded by `corpus_info`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 from pathlib import Path
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from shoal.experiments.batches import EpochBatches
+from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
 
 VOCAB = 256  # bytes
@@ -111,51 +108,32 @@ class ByteTransformer(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
-class ByteLMTask:
+class ByteLMTask(ClassifierTask):
     """Next-byte prediction on the standard library's source with `ByteTransformer`.
 
     Reads ``seq_len`` (bytes per example), ``train_size`` and ``test_size`` (examples),
     ``batch_size`` (examples per worker and step), ``lm_width``, ``lm_layers``,
-    ``lm_heads``. Same interface as `shoal.experiments.tasks.GaussianMixtureTask`;
+    ``lm_heads``. A `shoal.experiments.classifier.ClassifierTask`;
     ``evaluate`` gives the validation loss (nats per byte) and next-byte accuracy.
     """
 
     error_name = "next-byte error"
 
     def __init__(self, cfg: Config, root: str | Path | None = None):
-        self.cfg = cfg
         self.root = Path(os.path.dirname(os.__file__) if root is None else root)
         self.corpus = load_corpus(self.root)
         self.train = windows(self.corpus.train, cfg.train_size, cfg.seq_len + 1)
         self.val = windows(self.corpus.val, cfg.test_size, cfg.seq_len + 1)
-        self.model = ByteTransformer(cfg.lm_width, cfg.lm_layers, cfg.lm_heads, cfg.seq_len)
-        self._batches = EpochBatches(cfg.train_size, cfg.batch_size, cfg.seed)
-        self._eval = jax.jit(self._metrics)
+        model = ByteTransformer(cfg.lm_width, cfg.lm_layers, cfg.lm_heads, cfg.seq_len)
+        super().__init__(cfg, model, jnp.zeros((1, cfg.seq_len), jnp.int32))
 
-    @functools.cached_property
-    def _init(self):
-        x = jnp.zeros((1, self.cfg.seq_len), jnp.int32)
-        return jax.jit(self.model.init)(jax.random.key(self.cfg.seed), x)["params"]
-
-    def init_params(self):
-        """The initial parameters of one worker (seeded by ``cfg.seed``)."""
-        return self._init
-
-    def loss(self, params, x, y) -> jax.Array:
-        """Mean next-byte cross-entropy (nats) over every position of the batch."""
-        logits = self.model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def _metrics(self, params, x, y):
-        logits = self.model.apply({"params": params}, x)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+    def test_data(self):
+        return self.val[:, :-1], self.val[:, 1:]
 
     def evaluate(self, params) -> tuple[float, float]:
         """``(validation loss in nats per byte, next-byte accuracy)``; bits per byte is
         the loss / ln 2."""
-        loss, acc = self._eval(params, self.val[:, :-1], self.val[:, 1:])
-        return float(loss), float(acc)
+        return super().evaluate(params)
 
     def batch(self, step: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
         """``(x, y)``, each ``[workers, batch_size, seq_len]`` int32: y is x shifted by one."""

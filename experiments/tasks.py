@@ -1,12 +1,8 @@
 """The benchmark tasks: `make_task` picks one by ``Config.task``; the default is an MLP
 classifier on a synthetic Gaussian mixture.
 
-A task holds its data, model and loss, with this interface (used by the runner)::
-
-    init_params()             one worker's initial parameters (seeded by cfg.seed)
-    loss(params, x, y)        the training loss of one worker's batch (jit-able)
-    batch(step, workers)      (x, y) of a 0-based step, leading axis over the workers
-    evaluate(params)          (test loss, test accuracy) of one set of parameters
+A task holds its data, model and loss, with the interface of
+`shoal.experiments.classifier.ClassifierTask`.
 
 The data is generated from the config's seed with NumPy, so every worker, rank and
 backend sees the same points and the same batch order; nothing is downloaded.
@@ -15,16 +11,13 @@ backend sees the same points and the same batch order; nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from shoal.experiments.acoustic import HMMFrameTask
-from shoal.experiments.batches import EpochBatches
+from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
 from shoal.experiments.lm import ByteLMTask
 
@@ -78,18 +71,11 @@ class MLP(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
-class GaussianMixtureTask:
-    """Data, model, loss and batch schedule of one experiment (``task="mixture"``).
-
-    ``batch(step, workers)`` is the global batch of a step split into one block of
-    ``batch_size`` rows per worker: worker ``r`` trains on block ``r`` (`EpochBatches`).
-    """
-
-    error_name = "test error"
+class GaussianMixtureTask(ClassifierTask):
+    """An MLP on a Gaussian mixture (``task="mixture"``)."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.data = gaussian_mixture(
+        data = gaussian_mixture(
             num_classes=cfg.num_classes,
             num_features=cfg.num_features,
             components=cfg.components,
@@ -98,39 +84,15 @@ class GaussianMixtureTask:
             class_sep=cfg.class_sep,
             seed=cfg.seed,
         )
-        self.model = MLP(hidden=cfg.hidden, num_classes=cfg.num_classes)
-        self._batches = EpochBatches(cfg.train_size, cfg.batch_size, cfg.seed)
-        self._eval = jax.jit(self._metrics)
-
-    @functools.cached_property
-    def _init(self):
-        x = jnp.zeros((1, self.cfg.num_features), jnp.float32)
-        # Jitted: flax's eager init dispatches op by op and takes seconds on CPU.
-        return jax.jit(self.model.init)(jax.random.key(self.cfg.seed), x)["params"]
-
-    def init_params(self):
-        """The initial parameters of one worker (seeded by ``cfg.seed``)."""
-        return self._init
-
-    def loss(self, params, x, y) -> jax.Array:
-        """Mean softmax cross-entropy of the batch."""
-        logits = self.model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def _metrics(self, params, x, y):
-        logits = self.model.apply({"params": params}, x)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, jnp.mean(jnp.argmax(logits, -1) == y)
-
-    def evaluate(self, params) -> tuple[float, float]:
-        """``(test loss, test accuracy)`` of one set of parameters."""
-        loss, acc = self._eval(params, self.data.x_test, self.data.y_test)
-        return float(loss), float(acc)
-
-    def batch(self, step: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(x [workers, batch_size, features], y [workers, batch_size])`` of 0-based ``step``."""
-        idx = self._batches.indices(step, workers)
-        return self.data.x_train[idx], self.data.y_train[idx]
+        self.data = data
+        self.x_train, self.y_train, self.x_test, self.y_test = (
+            data.x_train,
+            data.y_train,
+            data.x_test,
+            data.y_test,
+        )
+        model = MLP(hidden=cfg.hidden, num_classes=cfg.num_classes)
+        super().__init__(cfg, model, jnp.zeros((1, cfg.num_features), jnp.float32))
 
 
 TASKS = {"mixture": GaussianMixtureTask, "hmm": HMMFrameTask, "lm": ByteLMTask}
