@@ -49,6 +49,7 @@ bench: $(STAMP)
 study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/gtc_sweep.py
 	$(BIN)/shoal-run experiments/configs/acoustic_study.py
+	$(BIN)/shoal-run experiments/configs/onebit_lamb_lm.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
