@@ -22,7 +22,6 @@ Fractions round down to whole bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -84,24 +83,3 @@ def all_gather_bytes(nbytes: int, size: int) -> tuple[int, int]:
 def all_to_all_bytes(nbytes: int, size: int) -> tuple[int, int]:
     b = (size - 1) * nbytes // size
     return b, b
-
-
-def broadcast_count(nbytes: int, size: int, rank: jax.Array, root: int = 0) -> WireCount:
-    is_root = rank == root
-    return WireCount.of(
-        jnp.where(is_root, (size - 1) * nbytes, 0), jnp.where(is_root, 0, nbytes if size > 1 else 0)
-    )
-
-
-def ppermute_count(nbytes: int, perm: Sequence[tuple[int, int]], size: int, rank) -> WireCount:
-    sends = np.zeros(size, np.int32)
-    recvs = np.zeros(size, np.int32)
-    for s, d in perm:
-        sends[s] = nbytes
-        recvs[d] = nbytes
-    return WireCount.of(jnp.asarray(sends)[rank], jnp.asarray(recvs)[rank])
-
-
-def symmetric(pair: tuple[int, int]) -> WireCount:
-    """A `WireCount` from a rank-independent ``(sent, received)`` pair."""
-    return WireCount.of(*pair)

@@ -1,8 +1,12 @@
-"""Which implementation a kernel runs: Pallas on GPU, the jnp reference elsewhere."""
+"""Which implementation a kernel runs (Pallas on GPU, the jnp reference elsewhere), and the
+input check every public kernel starts with."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 
 IMPLS = (None, "reference", "pallas")
 
@@ -15,3 +19,13 @@ def use_pallas(impl: str | None) -> bool:
     if impl is None:
         return jax.default_backend() == "gpu"
     return impl == "pallas"
+
+
+def typed_array(x: Any, dtype: Any, name: str) -> jax.Array:
+    """``x`` as an array of exactly ``dtype``; checked before ``jnp.asarray`` too, which
+    would silently narrow e.g. float64 to float32 when x64 is off."""
+    for value in (x, jnp.asarray(x)):
+        got = getattr(value, "dtype", jnp.dtype(dtype))
+        if got != dtype:
+            raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got dtype {got}")
+    return jnp.asarray(x)

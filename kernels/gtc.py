@@ -109,12 +109,7 @@ def gtc_pack(
       bit-identical to ``values`` (NaN and -0.0 included) everywhere else.
     """
     use_pallas = dispatch.use_pallas(impl)
-    # Check the caller's dtype before jnp.asarray could silently narrow float64.
-    if getattr(values, "dtype", jnp.float32) != jnp.float32:
-        raise TypeError(f"values must be float32, got dtype {values.dtype}")
-    values = jnp.asarray(values)
-    if values.dtype != jnp.float32:
-        raise TypeError(f"values must be float32, got dtype {values.dtype}")
+    values = dispatch.typed_array(values, jnp.float32, "values")
     if values.ndim != 1:
         raise ValueError(f"values must be 1-D, got shape {values.shape}")
     n = values.shape[0]
@@ -189,12 +184,8 @@ def gtc_unpack(
       impl: as for :func:`gtc_pack`.
     """
     use_pallas = dispatch.use_pallas(impl)
-    if getattr(words, "dtype", jnp.int32) != jnp.int32:
-        raise TypeError(f"words must be int32, got dtype {words.dtype}")
-    words = jnp.asarray(words)
+    words = dispatch.typed_array(words, jnp.int32, "words")
     count = jnp.asarray(count)
-    if words.dtype != jnp.int32:
-        raise TypeError(f"words must be int32, got dtype {words.dtype}")
     if words.ndim < 1 or words.shape[-1] < 1:
         raise ValueError(f"words must have shape [..., capacity >= 1], got {words.shape}")
     if not jnp.issubdtype(count.dtype, jnp.integer):

@@ -54,12 +54,7 @@ def sign_pack(values: jax.Array, *, impl: str | None = None) -> tuple[jax.Array,
       and float32[...] ``sqrt(sum(v * v) / n)`` over the last axis.
     """
     use_pallas = dispatch.use_pallas(impl)
-    # Check the caller's dtype before jnp.asarray could silently narrow float64.
-    if getattr(values, "dtype", jnp.float32) != jnp.float32:
-        raise TypeError(f"values must be float32, got dtype {values.dtype}")
-    values = jnp.asarray(values)
-    if values.dtype != jnp.float32:
-        raise TypeError(f"values must be float32, got dtype {values.dtype}")
+    values = dispatch.typed_array(values, jnp.float32, "values")
     if values.ndim < 1 or values.shape[-1] < 1:
         raise ValueError(f"values must have shape [..., n >= 1], got {values.shape}")
     return _pack(values, use_pallas=use_pallas)
@@ -95,11 +90,7 @@ def sign_unpack(
       float32[..., size], each element exactly ``+scale`` or ``-scale``.
     """
     use_pallas = dispatch.use_pallas(impl)
-    if getattr(bits, "dtype", jnp.uint8) != jnp.uint8:
-        raise TypeError(f"bits must be uint8, got dtype {bits.dtype}")
-    bits = jnp.asarray(bits)
-    if bits.dtype != jnp.uint8:
-        raise TypeError(f"bits must be uint8, got dtype {bits.dtype}")
+    bits = dispatch.typed_array(bits, jnp.uint8, "bits")
     if bits.ndim < 1 or bits.shape[-1] < 1:
         raise ValueError(f"bits must have shape [..., nbytes >= 1], got {bits.shape}")
     scale = jnp.asarray(scale)
