@@ -8,20 +8,37 @@ from shoal.comms.compressed import (
     compressed_allreduce_init,
     compressed_allreduce_padded_size,
 )
+from shoal.comms.fusion import (
+    AtomicPlacement,
+    FusionPlan,
+    atomic_placement,
+    broadcast_order,
+    gradient_order,
+    plan_fusion,
+)
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
+from shoal.comms.servers import ParameterServers, ServerStats
 from shoal.comms.wire import WireCount, tree_nbytes, wire_bytes
 
 __all__ = [
     "REDUCE_OPS",
+    "AtomicPlacement",
     "AxisCollective",
     "Collective",
+    "FusionPlan",
     "MPICollective",
+    "ParameterServers",
+    "ServerStats",
     "WireCount",
+    "atomic_placement",
+    "broadcast_order",
     "compressed_allreduce",
     "compressed_allreduce_bytes",
     "compressed_allreduce_init",
     "compressed_allreduce_padded_size",
+    "gradient_order",
+    "plan_fusion",
     "tree_nbytes",
     "two_tier",
     "wire_bytes",

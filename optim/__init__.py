@@ -1,6 +1,7 @@
 """shoal.optim: communication-efficient algorithms as Optax gradient transformations."""
 
 from shoal.optim.allreduce import AllReduceState, allreduce_gradients
+from shoal.optim.bfb import BFBState, bfb_allreduce
 from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
 from shoal.optim.gtc import GTCState, gtc
@@ -8,11 +9,13 @@ from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_adam, on
 
 __all__ = [
     "AllReduceState",
+    "BFBState",
     "BMUFState",
     "GTCState",
     "OneBitAdamState",
     "OneBitLambState",
     "allreduce_gradients",
+    "bfb_allreduce",
     "bmuf",
     "bmuf_gtc",
     "gtc",

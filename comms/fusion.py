@@ -1,0 +1,333 @@
+"""Herring's balanced fusion buffers (BFB): a layout of all gradients in fixed-size buffers,
+each split into equal shards, one per server.
+
+Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for the Cloud"
+(SC 2020), section III. Parameters are laid out back to back in the order their gradients
+are produced in the backward pass (worker 0's order, broadcast to everyone, so no
+negotiation is needed) into buffers of exactly ``buffer_bytes`` (the last may be smaller); a
+parameter may span two buffers. Buffer ``b`` is cut into ``S`` equal shards and shard ``s``
+of every buffer belongs to server ``s``: every server receives the same bytes per buffer,
+whatever the sizes of the variables. The classic baseline, `atomic_placement`, puts each
+variable whole on one server.
+
+Everything here is static (shapes and dtypes only): plans are built at trace time and are
+hashable, so they can close over jitted code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+
+# Automatic buffer size: about this many buffers per iteration (the paper's 86684 KB buffer
+# is about 1/8 of BERT-large's 680 MB fp16 gradient), but no shard below MIN_SHARD_BYTES,
+# where per-message latency would dominate.
+BUFFERS_PER_STEP = 8
+MIN_SHARD_BYTES = 64 * 1024
+
+
+class Segment(NamedTuple):
+    """Elements ``[start, stop)`` of leaf ``leaf`` (flattened, in ``jax.tree.leaves``
+    order) sit at ``offset`` in their buffer."""
+
+    leaf: int
+    start: int
+    stop: int
+    offset: int
+
+
+def _shapes(params_or_shapes: Any):
+    leaves, treedef = jax.tree.flatten(params_or_shapes)
+    shapes = tuple(tuple(int(d) for d in jnp.shape(x)) for x in leaves)
+    dtypes = tuple(np.dtype(x.dtype) for x in leaves)
+    return treedef, shapes, dtypes
+
+
+def _check_order(order: Sequence[int] | None, n: int) -> tuple[int, ...]:
+    if order is None:
+        return tuple(range(n))
+    try:
+        order = tuple(int(i) for i in order)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"order must be a sequence of leaf indices, got {order!r}") from e
+    if sorted(order) != list(range(n)):
+        raise ValueError(
+            f"order must be a permutation of the {n} leaf indices 0..{n - 1}, got {order}"
+        )
+    return order
+
+
+def _buffer_dtype(dtypes: tuple[np.dtype, ...]) -> np.dtype:
+    if not dtypes:
+        return np.dtype(np.float32)
+    kinds = {jnp.issubdtype(d, jnp.inexact) for d in dtypes}
+    if len(kinds) > 1:
+        raise TypeError(
+            "cannot fuse integer and floating leaves into one buffer: "
+            f"dtypes {sorted({str(d) for d in dtypes})}"
+        )
+    # The promoted type holds every leaf exactly (e.g. bfloat16 + float16 -> float32).
+    return np.dtype(jnp.result_type(*dtypes))
+
+
+def auto_buffer_bytes(total_bytes: int, num_shards: int, itemsize: int = 4) -> int:
+    """Herring computes the buffer size from the model and cluster sizes; ours is
+    ``max(total / 8, num_shards * 64 KiB)``, at most the model, rounded up to a whole
+    number of elements per shard (so only the last buffer is padded)."""
+    grain = num_shards * itemsize
+    want = max(math.ceil(total_bytes / BUFFERS_PER_STEP), num_shards * MIN_SHARD_BYTES)
+    want = min(want, max(total_bytes, 1))
+    return max(grain, math.ceil(want / grain) * grain)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionPlan:
+    """The balanced-fusion-buffer layout of one pytree (see `plan_fusion`).
+
+    Buffer ``b`` holds ``buffer_sizes[b]`` elements of ``dtype``; `fuse` returns it as a
+    ``[num_shards, shard_sizes[b]]`` array, zero-padded at the tail when
+    ``num_shards * shard_sizes[b] > buffer_sizes[b]`` (the last buffer, or every buffer
+    when ``buffer_bytes`` is not a multiple of ``num_shards`` elements).
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    order: tuple[int, ...]
+    dtype: np.dtype
+    num_shards: int
+    buffer_elements: int
+    buffer_sizes: tuple[int, ...]
+    shard_sizes: tuple[int, ...]
+    segments: tuple[tuple[Segment, ...], ...]
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.buffer_sizes)
+
+    @property
+    def shard_bytes(self) -> tuple[int, ...]:
+        """Bytes of one shard of each buffer (every shard of a buffer has this size)."""
+        return tuple(k * self.dtype.itemsize for k in self.shard_sizes)
+
+    @property
+    def buffer_bytes(self) -> tuple[int, ...]:
+        """Bytes of each buffer as sent, padding included (``num_shards * shard_bytes``)."""
+        return tuple(self.num_shards * b for b in self.shard_bytes)
+
+    @property
+    def padding(self) -> int:
+        """Elements of zero padding over all buffers."""
+        return sum(self.num_shards * k for k in self.shard_sizes) - sum(self.buffer_sizes)
+
+    def buffer_leaves(self, b: int) -> tuple[int, ...]:
+        """Leaf indices with elements in buffer ``b``, in layout order."""
+        return tuple(s.leaf for s in self.segments[b])
+
+    def fuse(self, tree: Any) -> tuple[jax.Array, ...]:
+        """The buffers of ``tree``, each ``[num_shards, shard_sizes[b]]``. Buffer ``b``
+        depends only on the leaves in it, so it can be reduced as soon as they exist."""
+        leaves = self._leaves(tree)
+        flat = [jnp.ravel(x) for x in leaves]
+        out = []
+        for b, segs in enumerate(self.segments):
+            parts = [flat[s.leaf][s.start : s.stop].astype(self.dtype) for s in segs]
+            pad = self.num_shards * self.shard_sizes[b] - self.buffer_sizes[b]
+            if pad:
+                parts.append(jnp.zeros((pad,), self.dtype))
+            out.append(jnp.concatenate(parts).reshape(self.num_shards, self.shard_sizes[b]))
+        return tuple(out)
+
+    def unfuse(self, buffers: Sequence[jax.Array]) -> Any:
+        """The pytree laid out in ``buffers`` (inverse of `fuse`; padding is dropped, leaves
+        get back their shapes and dtypes)."""
+        if len(buffers) != self.num_buffers:
+            raise ValueError(f"unfuse needs {self.num_buffers} buffers, got {len(buffers)}")
+        pieces: list[list[tuple[int, jax.Array]]] = [[] for _ in self.shapes]
+        for b, segs in enumerate(self.segments):
+            want = (self.num_shards, self.shard_sizes[b])
+            if tuple(buffers[b].shape) != want:
+                raise ValueError(f"buffer {b} must have shape {want}, got {buffers[b].shape}")
+            flat = jnp.ravel(buffers[b])
+            for s in segs:
+                pieces[s.leaf].append((s.start, flat[s.offset : s.offset + s.stop - s.start]))
+        leaves = []
+        for shape, dtype, parts in zip(self.shapes, self.dtypes, pieces):
+            if not parts:  # an empty leaf
+                leaves.append(jnp.zeros(shape, dtype))
+                continue
+            parts = [p for _, p in sorted(parts, key=lambda t: t[0])]
+            flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            leaves.append(flat.astype(dtype).reshape(shape))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def _leaves(self, tree: Any) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"tree structure {treedef} does not match the plan's {self.treedef}")
+        for i, (x, shape) in enumerate(zip(leaves, self.shapes)):
+            if tuple(jnp.shape(x)) != shape:
+                raise ValueError(f"leaf {i} has shape {jnp.shape(x)}, the plan expects {shape}")
+        return leaves
+
+
+def plan_fusion(
+    params_or_shapes: Any,
+    *,
+    buffer_bytes: int | None = None,
+    num_shards: int,
+    order: Sequence[int] | None = None,
+) -> FusionPlan:
+    """Lay ``params_or_shapes`` (arrays or `jax.ShapeDtypeStruct` leaves) out in balanced
+    fusion buffers of ``buffer_bytes`` bytes, each cut into ``num_shards`` equal shards.
+
+    Args:
+      params_or_shapes: the gradient pytree or its shapes.
+      buffer_bytes: bytes per buffer; the last buffer holds the rest. A size that is not a
+        whole number of elements is rounded down to one. None: `auto_buffer_bytes`.
+      num_shards: shards per buffer, one per server (``S``).
+      order: production order, ``order[0]`` the index (in ``jax.tree.leaves``) of the
+        first gradient the backward pass produces; see `gradient_order`. None: leaf order.
+        All workers must pass the same order (`broadcast_order` makes it so).
+
+    All leaves are cast to one buffer dtype, the promotion of their dtypes (exact for
+    floating leaves of mixed widths); integer and floating leaves cannot be mixed.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    treedef, shapes, dtypes = _shapes(params_or_shapes)
+    order = _check_order(order, len(shapes))
+    dtype = _buffer_dtype(dtypes)
+    sizes = [math.prod(s) for s in shapes]
+    total = sum(sizes)
+    if buffer_bytes is None:
+        buffer_bytes = auto_buffer_bytes(total * dtype.itemsize, num_shards, dtype.itemsize)
+    if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int | np.integer):
+        raise ValueError(f"buffer_bytes must be an int or None, got {buffer_bytes!r}")
+    if buffer_bytes < dtype.itemsize:
+        raise ValueError(
+            f"buffer_bytes={buffer_bytes} is smaller than one element ({dtype.itemsize} bytes "
+            f"of {dtype})"
+        )
+    per_buffer = int(buffer_bytes) // dtype.itemsize
+
+    segments: list[list[Segment]] = []
+    fill = per_buffer  # elements already in the open buffer; start by opening one
+    for leaf in order:
+        start = 0
+        while start < sizes[leaf]:
+            if fill == per_buffer:
+                segments.append([])
+                fill = 0
+            take = min(sizes[leaf] - start, per_buffer - fill)
+            segments[-1].append(Segment(leaf, start, start + take, fill))
+            start += take
+            fill += take
+    buffer_sizes = tuple(sum(s.stop - s.start for s in segs) for segs in segments)
+    return FusionPlan(
+        treedef=treedef,
+        shapes=shapes,
+        dtypes=dtypes,
+        order=order,
+        dtype=dtype,
+        num_shards=num_shards,
+        buffer_elements=per_buffer,
+        buffer_sizes=buffer_sizes,
+        shard_sizes=tuple(-(-n // num_shards) for n in buffer_sizes),
+        segments=tuple(tuple(s) for s in segments),
+    )
+
+
+class AtomicPlacement(NamedTuple):
+    """Classic parameter-server sharding: ``server[i]`` holds leaf ``i`` whole;
+    ``server_bytes[s]`` is the bytes of the leaves server ``s`` holds (one worker's copy)."""
+
+    server: tuple[int, ...]
+    leaf_bytes: tuple[int, ...]
+    server_bytes: tuple[int, ...]
+
+
+def atomic_placement(
+    params_or_shapes: Any, *, num_servers: int, order: Sequence[int] | None = None
+) -> AtomicPlacement:
+    """The baseline Herring replaces: each variable placed whole on one server, round-robin
+    in production ``order`` (variable ``order[k]`` on server ``k mod num_servers``)."""
+    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+        raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
+    _, shapes, dtypes = _shapes(params_or_shapes)
+    order = _check_order(order, len(shapes))
+    leaf_bytes = tuple(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+    server = [0] * len(shapes)
+    for k, leaf in enumerate(order):
+        server[leaf] = k % num_servers
+    loads = [0] * num_servers
+    for leaf, s in enumerate(server):
+        loads[s] += leaf_bytes[leaf]
+    return AtomicPlacement(tuple(server), leaf_bytes, tuple(loads))
+
+
+def gradient_order(fun, *args, argnums: int = 0) -> tuple[int, ...]:
+    """The order in which ``jax.grad(fun, argnums)(*args)`` produces the gradient leaves:
+    leaf indices (``jax.tree.leaves`` of ``args[argnums]``), first produced first.
+
+    The position of a gradient is that of the equation of the gradient's jaxpr that
+    produces it, refined inside nested jaxprs (``jit``, ``custom_jvp``/``custom_vjp``,
+    ``remat``). The backward pass runs the layers in reverse, so for a feed-forward
+    stack this is roughly the reverse of the model's layer order: the last layer's
+    gradients come first, the input embedding's last (a tied embedding is finished by
+    the add of its two contributions). It is JAX's program order; XLA may schedule
+    independent operations differently. Gradients no equation produces (constants,
+    e.g. zeros for an unused parameter) go last, in leaf order. ``args`` may be
+    `jax.ShapeDtypeStruct` s: nothing is computed.
+    """
+    closed = jax.make_jaxpr(jax.grad(fun, argnums=argnums))(*args)
+    n = len(jax.tree.leaves(args[argnums]))
+    outvars = closed.jaxpr.outvars
+    if len(outvars) != n:  # pragma: no cover - jax.grad returns one output per leaf
+        raise ValueError(f"expected {n} gradient outputs, got {len(outvars)}")
+    keys = [_position(closed.jaxpr, v) for v in outvars]
+    return tuple(sorted(range(n), key=lambda i: (keys[i], i)))
+
+
+_LAST = (math.inf,)
+
+
+def _position(jaxpr, var) -> tuple:
+    if isinstance(var, jax.extend.core.Literal):
+        return _LAST  # a literal
+    for i, eqn in enumerate(jaxpr.eqns):
+        if any(o is var for o in eqn.outvars):
+            inner = _inner_jaxpr(eqn)
+            if inner is None:
+                return (i,)
+            k = next(k for k, o in enumerate(eqn.outvars) if o is var)
+            return (i, *_position(inner, inner.outvars[k]))
+    return _LAST  # an input passed through
+
+
+def _inner_jaxpr(eqn):
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(name)
+        if sub is None:
+            continue
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns") and len(sub.outvars) == len(eqn.outvars):
+            return sub
+    return None
+
+
+def broadcast_order(order: Sequence[int], collective: Any) -> tuple[int, ...]:
+    """Worker 0's ``order``, on every worker ("BFB without negotiation"). Host-side: call it
+    on every worker at the same point, outside ``jit``. On MPI this is one ``bcast`` on
+    the collective's communicator; simulated workers share this process and its order."""
+    comm = getattr(collective, "comm", None)
+    if comm is None:
+        return tuple(int(i) for i in order)
+    return tuple(int(i) for i in comm.bcast([int(i) for i in order], root=0))

@@ -1,0 +1,157 @@
+"""Herring's gradient averaging through balanced fusion buffers (BFB).
+
+Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for the Cloud"
+(SC 2020), section III. The gradients are laid out in buffers of equal size
+(`shoal.comms.plan_fusion`), each cut into one equal shard per server, so every server
+carries the same load for every buffer; the result is the mean gradient
+``g <- (1/W) sum_w g_w`` on every worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shoal.comms.collective import Collective
+from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
+from shoal.comms.mpi import MPICollective
+from shoal.comms.servers import Layout, ParameterServers
+from shoal.comms.wire import WireCount, all_gather_bytes, all_to_all_bytes
+from shoal.optim.validation import check_collective, check_floating_leaves
+
+
+class BFBState(NamedTuple):
+    wire: WireCount
+
+
+def bfb_allreduce(
+    *,
+    collective: Collective,
+    buffer_bytes: int | None = None,
+    servers: ParameterServers | None = None,
+    intra: Collective | None = None,
+    order: Sequence[int] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Replace each worker's gradient by the mean over all workers, reduced buffer by
+    buffer through Herring's balanced fusion buffers. The mode follows the arguments:
+
+    1. colocated (``servers=None, intra=None``): the ``P`` workers of ``collective`` also
+       serve shard ``p`` of every buffer: reduce-scatter (all-to-all, then a local sum),
+       then all-gather. ``2 (P-1)/P`` of each buffer each way, like a ring all-reduce.
+    2. dedicated servers (``servers``, MPI): worker ``w`` sends shard ``s`` of each buffer
+       to server rank ``s`` of `ParameterServers`, which sums the ``W`` copies and sends the
+       sum back: each worker sends and receives every buffer once (two hops). Pass
+       ``collective=servers.workers``.
+    3. hierarchical (``intra``, the within-node tier of `shoal.comms.two_tier`; then
+       ``collective`` is the across-node tier): reduce-scatter each buffer inside the
+       node, reduce each worker's slice across nodes (mode 1 over ``collective``, or mode 2
+       with ``servers``), all-gather inside the node (Herring's steps 1-6).
+
+    Buffers are reduced one after another in layout order, each from only its own
+    leaves, so a buffer's communication can start as soon as its gradients exist.
+
+    Args:
+      collective: all workers (modes 1, 2), or the across-node tier (mode 3).
+      buffer_bytes: bytes per buffer (None: `shoal.comms.fusion.auto_buffer_bytes`).
+      servers: dedicated parameter-server ranks (MPI only).
+      intra: the within-node tier for hierarchical reduction.
+      order: production order of the gradient leaves (`shoal.comms.gradient_order`);
+        worker 0's order is broadcast to all at construction, so construct this on every
+        worker at the same point. None: leaf order.
+    """
+    check_collective(collective)
+    if intra is not None:
+        check_collective(intra)
+    local = intra.size if intra is not None else 1
+    workers = local * collective.size
+    if servers is not None:
+        _check_servers(servers, collective, intra, workers)
+        shards = servers.num_servers
+    else:
+        shards = collective.size
+    if order is not None:
+        # Worker 0's order reaches every worker: node 0 first, then every node.
+        for tier in (intra, collective):
+            if tier is not None:
+                order = broadcast_order(order, tier)
+
+    def init_fn(params: Any) -> BFBState:
+        del params
+        return BFBState(wire=WireCount.zero())
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del state, params, extra_args
+        check_floating_leaves("updates", updates)
+        plan = plan_fusion(
+            updates, buffer_bytes=buffer_bytes, num_shards=local * shards, order=order
+        )
+        tag = None
+        if servers is not None:
+            tag = servers.register(Layout(plan.dtype.name, plan.shard_sizes, local))
+        reduced = []
+        sent = 0
+        for b, buf in enumerate(plan.fuse(updates)):
+            total, nbytes = _reduce(buf, plan, b, collective, intra, servers, tag)
+            reduced.append((total / workers).astype(plan.dtype))
+            sent += nbytes
+        return plan.unfuse(reduced), BFBState(wire=WireCount.of(sent, sent))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):
+    """The sum over all workers of buffer ``buf`` (``[L * S, k]``), in a float type wide
+    enough for the sum, and the bytes this worker sent (= received)."""
+    local = intra.size if intra is not None else 1
+    k = plan.shard_sizes[b]
+    acc = jnp.promote_types(plan.dtype, jnp.float32)
+    item = plan.dtype.itemsize
+    n = buf.size * item  # the whole buffer as sent, padding included
+    part = buf
+    sent = 0
+    if intra is not None:
+        # Step 1: reduce-scatter inside the node; local rank l keeps slice l, summed.
+        got = intra.all_to_all(buf.reshape(local, -1))
+        part = got.astype(acc).sum(0).astype(plan.dtype).reshape(-1, k)
+        sent += all_to_all_bytes(n, local)[0]
+    m = n // local  # this worker's slice
+    if servers is not None:
+        total = servers.exchange(part, tag).astype(acc)
+        sent += m
+    else:
+        mine = collective.all_to_all(part).astype(acc).sum(0)
+        total = collective.all_gather(mine.astype(plan.dtype)).astype(acc)
+        sent += all_to_all_bytes(m, collective.size)[0]
+        sent += all_gather_bytes(m // collective.size, collective.size)[0]
+    if intra is not None:
+        total = intra.all_gather(total.astype(plan.dtype)).astype(acc)
+        sent += all_gather_bytes(m, local)[0]
+    return total.reshape(buf.shape), sent
+
+
+def _check_servers(servers, collective, intra, workers: int) -> None:
+    if not isinstance(servers, ParameterServers):
+        raise TypeError(f"servers must be a ParameterServers, got {type(servers).__name__}")
+    if servers.is_server:
+        raise ValueError("bfb_allreduce runs on worker ranks; server ranks call servers.serve()")
+    for name, tier in (("collective", collective), ("intra", intra)):
+        if tier is not None and not isinstance(tier, MPICollective):
+            raise ValueError(
+                f"dedicated servers need MPI workers: {name} is a {type(tier).__name__}"
+            )
+    if workers != servers.num_workers:
+        tiers = f"{intra.size} x {collective.size}" if intra is not None else collective.size
+        raise ValueError(
+            f"the collectives hold {tiers} = {workers} workers but the communicator has "
+            f"{servers.num_workers} worker ranks (+ {servers.num_servers} servers)"
+        )
+
+
+def server_bytes_per_step(plan: FusionPlan, num_workers: int) -> int:
+    """Bytes one dedicated server receives (and sends) per step: one shard of every
+    buffer from (to) every worker."""
+    return int(num_workers * np.sum(plan.shard_bytes))
