@@ -5,7 +5,8 @@ its own gradients; the runner applies the updates, so ``optax.apply_updates(para
 updates)`` is the worker's next model. ``comms`` is the world `Collective`, or, for an
 algorithm registered with ``two_tier=True``, the pair ``(intra, inter)`` of
 `shoal.comms.two_tier` for groups of ``cfg.group_size`` consecutive workers (the
-backend lays its workers out to match). To add an algorithm::
+backend lays its workers out to match). A builder registered with ``context=True`` also
+gets a `BuildContext` (the task, the dedicated parameter servers). To add an algorithm::
 
     @register("gtc")
     def gtc(cfg, collective):
@@ -29,38 +30,55 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
 
-from shoal.comms import Collective
+from shoal.comms import Collective, gradient_order
 from shoal.experiments.config import Config, ConfigError
-from shoal.optim import allreduce_gradients, bmuf, bmuf_gtc, gtc, onebit_lamb
+from shoal.optim import allreduce_gradients, bfb_allreduce, bmuf, bmuf_gtc, gtc, onebit_lamb
 
 Comms = Collective | tuple[Collective, Collective]
 Builder = Callable[[Config, Comms], optax.GradientTransformation]
 
 
 @dataclasses.dataclass(frozen=True)
+class BuildContext:
+    """What a few builders need beyond the config: the ``task`` (its loss, e.g. for the
+    gradients' production order) and the dedicated `shoal.comms.ParameterServers` of an
+    MPI run (None when there are none)."""
+
+    task: Any = None
+    servers: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """A registered builder; ``two_tier``: it takes ``(intra, inter)``; ``check(cfg)``
-    raises `ConfigError` for a config it cannot run (None: any config)."""
+    """A registered builder; ``two_tier``: it takes ``(intra, inter)``; ``context``: it
+    takes a third argument, the `BuildContext`; ``check(cfg)`` raises `ConfigError` for a
+    config it cannot run (None: any config)."""
 
     build: Builder
     two_tier: bool = False
     check: Callable[[Config], None] | None = None
+    context: bool = False
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
 
 
 def register(
-    name: str, *, two_tier: bool = False, check: Callable[[Config], None] | None = None
+    name: str,
+    *,
+    two_tier: bool = False,
+    check: Callable[[Config], None] | None = None,
+    context: bool = False,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder`` available to configs as ``name``."""
 
     def add(builder: Builder) -> Builder:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        ALGORITHMS[name] = Algorithm(builder, two_tier, check)
+        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context)
         return builder
 
     return add
@@ -111,11 +129,16 @@ def group_size(entry: str, cfg: Config) -> int | None:
     return entry_config(entry, cfg).group_size
 
 
-def build(entry: str, cfg: Config, comms: Comms) -> optax.GradientTransformation:
+def build(
+    entry: str, cfg: Config, comms: Comms, context: BuildContext | None = None
+) -> optax.GradientTransformation:
     """The transformation of ``entry``: ``comms`` is the world collective, or ``(intra,
     inter)`` when `group_size` is not None."""
     check_known((entry,))
-    return ALGORITHMS[parse_entry(entry)[0]].build(entry_config(entry, cfg), comms)
+    algo = ALGORITHMS[parse_entry(entry)[0]]
+    if algo.context:
+        return algo.build(entry_config(entry, cfg), comms, context or BuildContext())
+    return algo.build(entry_config(entry, cfg), comms)
 
 
 def local_sgd(cfg: Config) -> optax.GradientTransformation:
@@ -136,6 +159,27 @@ def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     return optax.chain(
         gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity), local_sgd(cfg)
     )
+
+
+@register("bfb", context=True)
+def bfb(cfg: Config, collective: Any, context: BuildContext) -> optax.GradientTransformation:
+    """Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`), then `local_sgd`:
+    the mean gradient, reduced buffer by buffer in the order the backward pass produces
+    the gradients, by the workers themselves (colocated) or, in an MPI run started with
+    ``--servers S``, by S dedicated server ranks."""
+    order = None
+    if context.task is not None:
+        params = context.task.init_params()
+        x, y = context.task.batch(0, 1)
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # one worker's batch
+        order = gradient_order(context.task.loss, params, spec(x), spec(y))
+    reduce = bfb_allreduce(
+        collective=collective,
+        buffer_bytes=cfg.bfb_buffer_bytes or None,
+        servers=context.servers,
+        order=order,
+    )
+    return optax.chain(reduce, local_sgd(cfg))
 
 
 def _check_blocks(cfg: Config, models: int) -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from shoal.comms import AxisCollective, MPICollective
+from shoal.comms import AxisCollective, MPICollective, ParameterServers
 
 AXIS = "workers"
 
@@ -84,16 +84,31 @@ class SimBackend:
 class MPIBackend:
     """One worker per MPI rank (launch with ``mpiexec -n N``); the world size is the
     number of workers. Metrics reach rank 0 through host-side mpi4py calls on a
-    communicator of their own, so they never interleave with the algorithms' traffic."""
+    communicator of their own, so they never interleave with the algorithms' traffic.
+
+    With ``servers = S > 0`` the last S ranks are Herring's dedicated parameter servers
+    (`shoal.comms.ParameterServers`, in `servers`): ``is_server`` is True there, and
+    those ranks run ``servers.serve()`` instead of training; the workers are the others.
+    """
 
     name = "mpi"
 
-    def __init__(self):
+    def __init__(self, servers: int = 0):
         from mpi4py import MPI
 
         self._MPI = MPI
-        self.collective = MPICollective()
-        self.comm = MPI.COMM_WORLD.Clone()
+        self.servers = None
+        self.is_server = False
+        if servers:
+            self.servers = ParameterServers(servers)
+            self.is_server = self.servers.is_server
+            if self.is_server:
+                self.is_root = False
+                return
+            self.collective = self.servers.workers
+        else:
+            self.collective = MPICollective()
+        self.comm = self.collective.comm.Clone()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.is_root = self.rank == 0
@@ -140,10 +155,11 @@ class MPIBackend:
         self._MPI.COMM_WORLD.Abort(code)
 
 
-def make_backend(name: str, workers: int | None = None):
-    """``"sim"`` with ``workers`` workers, or ``"mpi"`` (one worker per rank)."""
+def make_backend(name: str, workers: int | None = None, servers: int = 0):
+    """``"sim"`` with ``workers`` workers, or ``"mpi"`` (one worker per rank, the last
+    ``servers`` ranks dedicated parameter servers)."""
     if name == "sim":
         return SimBackend(workers)
     if name == "mpi":
-        return MPIBackend()
+        return MPIBackend(servers)
     raise ValueError(f"backend must be 'sim' or 'mpi', got {name!r}")

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from shoal.experiments import algorithms
+from shoal.experiments.analysis import Analysis, run_analysis
 from shoal.experiments.backends import make_backend
 from shoal.experiments.config import Config, ConfigError, apply_overrides, load_file
 from shoal.experiments.report import summary_table, write_run
@@ -51,6 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="sim",
         help="sim: N workers in this process (vmap); mpi: one worker per rank under mpiexec",
     )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        metavar="S",
+        help="with --backend mpi: the last S ranks are dedicated parameter servers for "
+        "bfb (mpiexec -n WORKERS+S); the other algorithms ignore them",
+    )
+    p.add_argument(
+        "--server-timeout",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="a parameter server that hears nothing from the workers this long aborts the job",
+    )
     p.add_argument("--out", type=Path, help="output folder (default: runs/<config name>)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -72,8 +88,9 @@ def resolve_workers(backend: str, configured: int, requested: int | None, world:
 def _setup(args, backend, loaded):
     if not isinstance(loaded, Config):
         raise ConfigError(
-            f"{args.config}: get_config() must return a shoal.experiments.config.Config or "
-            f"a shoal.experiments.study.Study, got {type(loaded).__name__}"
+            f"{args.config}: get_config() must return a shoal.experiments.config.Config, "
+            "a shoal.experiments.study.Study or a shoal.experiments.analysis.Analysis, "
+            f"got {type(loaded).__name__}"
         )
     cfg = apply_overrides(loaded, args.overrides)
     explicit = args.workers
@@ -124,16 +141,61 @@ def _main_study(args, study: Study, command: str) -> int:
     return 0
 
 
+def _serve(backend, timeout: float) -> int:
+    """A dedicated parameter-server rank: serve until the workers stop, then report."""
+    servers = backend.servers
+    try:
+        stats = servers.serve(timeout=timeout)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        backend.abort(1)
+        raise
+    index = servers.comm.Get_rank() - servers.num_workers
+    print(
+        f"parameter server {index}: {stats.steps} steps, {stats.buffers} buffers, "
+        f"{stats.received / 1e6:.3f} MB received, {stats.sent / 1e6:.3f} MB sent",
+        flush=True,
+    )
+    return 0
+
+
+def _main_analysis(args, analysis: Analysis) -> int:
+    out = args.out or Path("runs") / analysis.name
+    print(run_analysis(analysis, out))
+    print(f"wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.servers < 0 or (args.servers and args.backend != "mpi"):
+        print("shoal-run: error: --servers S >= 1 needs --backend mpi", file=sys.stderr)
+        return 2
     # MPI must exist before the config is resolved: its world size is the worker count.
-    backend = make_backend("mpi") if args.backend == "mpi" else None
+    backend = make_backend("mpi", servers=args.servers) if args.backend == "mpi" else None
+    if backend is not None and backend.is_server:
+        return _serve(backend, args.server_timeout)
+    try:
+        return _main(args, argv, backend)
+    finally:
+        if backend is not None and backend.servers is not None:
+            backend.servers.shutdown()  # let the servers' loops end, whatever happened here
+
+
+def _main(args, argv, backend) -> int:
     is_root = backend is None or backend.is_root
     command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
     try:
         loaded = load_file(args.config)
         if isinstance(loaded, Study):
             study = _setup_study(args, loaded)
+        elif isinstance(loaded, Analysis):
+            if args.overrides or args.workers is not None or args.backend != "sim":
+                raise ConfigError(
+                    "an analysis computes on this host and has no settings: drop --set, "
+                    "--workers and --backend mpi"
+                )
         else:
             cfg = _setup(args, backend, loaded)
     except ConfigError as e:
@@ -142,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if isinstance(loaded, Study):
         return _main_study(args, study, command)
+    if isinstance(loaded, Analysis):
+        return _main_analysis(args, loaded)
     if backend is None:
         backend = make_backend("sim", cfg.workers)
 
     if args.backend == "mpi":
-        command = f"mpiexec -n {backend.size} {command}"
+        command = f"mpiexec -n {backend.size + args.servers} {command}"
     if is_root:
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip

@@ -112,6 +112,10 @@ class Config:
     # BMUF_GTC: workers per group P (consecutive workers; must divide workers).
     group_size: int = 2
 
+    # Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`): bytes per buffer
+    # (0: automatic). Dedicated server ranks come from `shoal-run --servers S`.
+    bfb_buffer_bytes: int = 0
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -125,6 +129,7 @@ class Config:
                   "group_size", "lm_width", "lm_layers", "lm_heads"):  # fmt: skip
             _check(getattr(self, f) >= 1, f, "an int >= 1")
         _check(self.num_classes >= 2, "num_classes", "an int >= 2")
+        _check(self.bfb_buffer_bytes >= 0, "bfb_buffer_bytes", "an int >= 0 (0: automatic)")
         _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
         _check(self.class_sep > 0, "class_sep", "a float > 0")
         _check(self.learning_rate > 0, "learning_rate", "a float > 0")

@@ -45,7 +45,7 @@ WORKERS = 4
 STEPS = 12
 BLOCK = 4
 GROUP = 2  # two groups of two workers
-ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb")
+ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb")
 SETS = [f"steps={STEPS}", "eval_every=5", "algorithms=" + ",".join(ALGORITHMS),
         f"block_size={BLOCK}", f"group_size={GROUP}"]  # fmt: skip
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
@@ -130,13 +130,56 @@ def test_mpi_backend_matches_sim(sim_run, tmp_path):
     assert "backend `mpi`" in (tmp_path / "summary.md").read_text()
 
 
+def test_dedicated_parameter_servers(sim_run, tmp_path):
+    """mpiexec -n 6 with --servers 2: 4 workers train bfb through 2 server ranks; same
+    losses as the simulated (colocated) run, each worker sends and receives its gradient
+    once per step, each server one shard of it from and to every worker."""
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("mpiexec not found")
+    servers = 2
+    cmd = [exe, "-n", str(WORKERS + servers), sys.executable, "-m", "shoal.experiments.cli",
+           str(QUICKSTART), "--backend", "mpi", "--servers", str(servers), "--no-progress",
+           "--set", *SETS[:2], "algorithms=ssgd,bfb", "--out", str(tmp_path)]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    sim = [r for r in read_jsonl(sim_run / "metrics.jsonl") if r["algorithm"] in ("ssgd", "bfb")]
+    mpi = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["algorithm"], r["step"]) for r in mpi] == [(r["algorithm"], r["step"]) for r in sim]
+    np.testing.assert_allclose([r["loss"] for r in mpi], [r["loss"] for r in sim], rtol=1e-5)
+    cfg = load_config(QUICKSTART)
+    nbytes = tree_nbytes(GaussianMixtureTask(cfg).init_params())
+    # One float32 buffer (automatic size), split into 2 shards.
+    shard = -(-nbytes // 4 // servers) * 4
+    assert all(r["bytes_sent"] == r["bytes_received"] == servers * shard
+               for r in mpi if r["algorithm"] == "bfb")  # fmt: skip
+    per_server = STEPS * WORKERS * shard / 1e6
+    for s in range(servers):
+        line = f"parameter server {s}: {STEPS} steps, {STEPS} buffers, {per_server:.3f} MB received"
+        assert line in proc.stdout, proc.stdout[-2000:]
+
+
+def test_servers_end_when_the_config_is_wrong():
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("mpiexec not found")
+    cmd = [exe, "-n", "3", sys.executable, "-m", "shoal.experiments.cli", str(QUICKSTART),
+           "--backend", "mpi", "--servers", "1", "--set", "no_such_key=1"]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no_such_key" in proc.stderr
+    assert "parameter server 0: 0 steps" in proc.stdout
+
+
 def test_outputs_are_consistent(sim_run):
     all_recs = read_jsonl(sim_run / "metrics.jsonl")
     assert [r["algorithm"] for r in all_recs] == [a for a in ALGORITHMS for _ in range(STEPS)]
     # GTC reports how full its fixed-capacity buffer was; S-SGD has no such number.
     assert all(0 < r["density"] <= 0.08 for r in all_recs if "gtc" in r["algorithm"])
     assert not any(
-        "density" in r for r in all_recs if r["algorithm"] in ("ssgd", "bmuf", "onebit_lamb")
+        "density" in r for r in all_recs if r["algorithm"] in ("ssgd", "bmuf", "onebit_lamb", "bfb")
     )
     recs = [r for r in all_recs if r["algorithm"] == "ssgd"]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
@@ -165,7 +208,14 @@ def test_outputs_are_consistent(sim_run):
     assert f"| {last['test_accuracy']:.2%} | {1 - last['test_accuracy']:.2%} |" in summary
     assert f"| {last['mb_sent']:.3f} |" in summary
     assert "| `workers` | `4` |" in summary
-    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc,onebit_lamb` |" in summary
+    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc,onebit_lamb,bfb` |" in summary
+    # BFB (colocated) moves each buffer like a ring all-reduce: here one buffer holds the
+    # whole (small) gradient, padded to a multiple of 4 shards.
+    bfb = [r for r in all_recs if r["algorithm"] == "bfb"]
+    elements = tree_nbytes(GaussianMixtureTask(load_config(QUICKSTART)).init_params()) // 4
+    padded = -(-elements // WORKERS) * WORKERS * 4
+    assert all(r["bytes_sent"] == 2 * (WORKERS - 1) * padded // WORKERS for r in bfb)
+    np.testing.assert_allclose([r["loss"] for r in bfb], [r["loss"] for r in recs], rtol=1e-5)
 
 
 def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ from shoal.experiments.config import Config
 def get_config() -> Config:
     return Config(
         name="quickstart",
-        algorithms=("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb"),
+        algorithms=("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb"),
         workers=8,
         steps=200,
         batch_size=32,
