@@ -5,20 +5,35 @@ from shoal.optim.bfb import BFBState, bfb_allreduce
 from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
 from shoal.optim.gtc import GTCState, gtc
+from shoal.optim.noise_scale import NoiseScaleState, gradient_noise_scale, noise_scale
 from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_adam, onebit_lamb
+from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
+from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
+from shoal.optim.sma import SMAState, sma
 
 __all__ = [
     "AllReduceState",
     "BFBState",
     "BMUFState",
     "GTCState",
+    "NoiseScaleState",
     "OneBitAdamState",
     "OneBitLambState",
+    "PartialExchangeState",
+    "PeerAveragingState",
+    "SMAState",
     "allreduce_gradients",
     "bfb_allreduce",
     "bmuf",
     "bmuf_gtc",
+    "gradient_noise_scale",
     "gtc",
+    "noise_scale",
     "onebit_adam",
     "onebit_lamb",
+    "partial_exchange",
+    "peer_averaging",
+    "peer_permutation",
+    "pgx_partition",
+    "sma",
 ]

@@ -64,6 +64,13 @@ def bfb_allreduce(
         worker at the same point. None: leaf order.
     """
     check_collective(collective)
+    if buffer_bytes is not None and (
+        isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1
+    ):
+        raise ValueError(
+            f"buffer_bytes must be a positive int or None (static: the layout is fixed at "
+            f"trace time), got {buffer_bytes!r}"
+        )
     if intra is not None:
         check_collective(intra)
     local = intra.size if intra is not None else 1

@@ -8,7 +8,18 @@ import optax
 import pytest
 
 from shoal.comms import AxisCollective
-from shoal.optim import allreduce_gradients, bmuf, gtc, onebit_adam, onebit_lamb
+from shoal.optim import (
+    allreduce_gradients,
+    bfb_allreduce,
+    bmuf,
+    gradient_noise_scale,
+    gtc,
+    onebit_adam,
+    onebit_lamb,
+    partial_exchange,
+    peer_averaging,
+    sma,
+)
 
 N = 4
 COLL = AxisCollective("workers", N)
@@ -40,6 +51,17 @@ UNDER_TEST = {
         ("freeze_step",),
         False,
     ),
+    "bfb_allreduce": (bfb_allreduce, {"buffer_bytes": 8}, (), True),
+    # One leaf here: only the whole tree fits a bin.
+    "partial_exchange": (partial_exchange, {"budget_fraction": 1.0}, ("budget_fraction",), True),
+    "gradient_noise_scale": (gradient_noise_scale, {"local_batch_size": 8}, (), True),
+    "peer_averaging": (
+        lambda **kw: peer_averaging(optax.sgd(LR), **kw),
+        {"strategy": "random", "staleness": 1},
+        (),
+        False,
+    ),
+    "sma": (lambda **kw: sma(optax.sgd(LR), **kw), {"alpha": 0.5}, (), False),
 }
 
 
@@ -92,6 +114,15 @@ INJECTABLE = {
     "bmuf": (bmuf, {"inner": optax.sgd(LR), "block_size": 1}, BMUF_STATIC),
     "onebit_lamb": (onebit_lamb, {"learning_rate": 0.01, "freeze_step": 1}, ("freeze_step",)),
     "onebit_adam": (onebit_adam, {"learning_rate": 0.01, "freeze_step": 1}, ("freeze_step",)),
+    "bfb_allreduce": (bfb_allreduce, {"buffer_bytes": 12}, ("buffer_bytes",)),
+    "partial_exchange": (partial_exchange, {"budget_fraction": 0.8}, ("budget_fraction",)),
+    "gradient_noise_scale": (gradient_noise_scale, {"local_batch_size": 8}, ()),
+    "peer_averaging": (
+        peer_averaging,
+        {"inner": optax.sgd(LR), "strategy": "random", "staleness": 1},
+        ("strategy", "staleness", "seed"),
+    ),
+    "sma": (sma, {"inner": optax.sgd(LR), "alpha": 0.5}, ()),
 }
 
 

@@ -1,0 +1,189 @@
+"""Gradient noise scale monitor: synchronous averaging plus McCandlish et al.'s estimate of
+the simple noise scale ``B_simple = tr(Sigma) / |G|^2``, the signal KungFu uses to adapt
+the batch size (Brabete, KungFu, section 4 and appendix A.3).
+
+With ``N`` workers of local batch ``b``, ``B_small = b`` and ``B_big = N b``::
+
+    |G|^2 = (B_big |g_big|^2 - B_small |g_small|^2) / (B_big - B_small)
+    S     = (|g_small|^2 - |g_big|^2) / (1 / B_small - 1 / B_big)
+
+are unbiased estimates of ``|G|^2`` and ``tr(Sigma)`` (the trace of the per-example
+gradient covariance), but their ratio is not; so each is smoothed by an EMA first and
+``B_simple = S_ema / |G|^2_ema``.
+
+References:
+  McCandlish, Kaplan, Amodei and the OpenAI Dota Team, "An Empirical Model of Large-Batch
+  Training", arXiv:1812.06162, 2018, appendix A.1.
+  Brabete, "KungFu: A Novel Distributed Training System for TensorFlow using Flexible
+  Synchronisation", 2019, section 4.3 and appendix A.3.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shoal.comms.collective import Collective
+from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
+
+_SCALAR_BYTES = 4  # one float32: the local squared norm
+
+
+class NoiseScaleState(NamedTuple):
+    """State of `gradient_noise_scale` (identical on every worker).
+
+    Attributes:
+      step: int32 number of updates so far (``t``).
+      g2_ema: float32 raw EMA of the per-step ``|G|^2`` estimates.
+      s_ema: float32 raw EMA of the per-step ``S`` estimates.
+      g2: float32 bias-corrected ``|G|^2``, ``g2_ema / (1 - ema^t)`` (0 before step 1).
+      s: float32 bias-corrected ``tr(Sigma)``, ``s_ema / (1 - ema^t)`` (0 before step 1).
+      noise_scale: float32 ``B_simple = s / g2`` (0 before step 1).
+      wire: bytes of the most recent update.
+    """
+
+    step: jax.Array
+    g2_ema: jax.Array
+    s_ema: jax.Array
+    g2: jax.Array
+    s: jax.Array
+    noise_scale: jax.Array
+    wire: WireCount
+
+
+def _check_batch_size(value: Any) -> None:
+    if isinstance(value, jax.core.Tracer):  # fed in by inject_hyperparams inside jit
+        return
+    if isinstance(value, (bool, np.bool_)):
+        ok = False
+    elif isinstance(value, (int, np.integer)):
+        ok = value > 0
+    else:
+        # A concrete integer array of shape () (e.g. from optax.inject_hyperparams).
+        arr = np.asarray(value) if isinstance(value, (np.ndarray, jax.Array)) else None
+        ok = (
+            arr is not None
+            and arr.shape == ()
+            and np.issubdtype(arr.dtype, np.integer)
+            and int(arr) > 0
+        )
+    if not ok:
+        raise ValueError(f"local_batch_size must be a positive int, got {value!r}")
+
+
+def _sq_norm(tree: Any) -> jax.Array:
+    """``sum_i x_i^2`` over every leaf, accumulated in float32."""
+    leaves = jax.tree.leaves(tree)
+    return sum(
+        (jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in leaves),
+        jnp.zeros((), jnp.float32),
+    )
+
+
+def gradient_noise_scale(
+    *, collective: Collective, local_batch_size: int, ema: float = 0.9
+) -> optax.GradientTransformationExtraArgs:
+    """Average gradients over workers (like `allreduce_gradients`) and track the gradient
+    noise scale ``B_simple = tr(Sigma) / |G|^2`` in the state.
+
+    Per step ``t``, with ``N`` workers, ``b = local_batch_size``, ``g_i`` worker ``i``'s
+    gradient and ``g = (1/N) sum_i g_i`` (the returned update)::
+
+        |g_small|^2 = (1/N) sum_i |g_i|^2        |g_big|^2 = |g|^2
+        |G|^2_t = (N |g_big|^2 - |g_small|^2) / (N - 1)
+        S_t     = N b (|g_small|^2 - |g_big|^2) / (N - 1)
+        m_t = ema m_{t-1} + (1 - ema) x_t,  x_hat_t = m_t / (1 - ema^t)   (x in |G|^2, S)
+        B_simple = S_hat_t / |G|^2_hat_t
+
+    These are McCandlish et al.'s estimators with ``B_small = b`` and ``B_big = N b``,
+    simplified algebraically. Choices:
+
+    * ``|g_small|^2`` is the mean over workers of every worker's own squared norm, not
+      one worker's, so it has less variance and every worker holds identical estimates.
+    * Squared norms run over the whole pytree and are accumulated in float32, whatever
+      the gradients' dtype; ``|g_big|^2`` is taken of the averaged gradient as returned.
+    * EMAs are bias-corrected as in Adam, so ``ema=0`` reports the raw per-step
+      estimates. ``ema`` is the weight of the past (KungFu's ``alpha`` is ``1 - ema``).
+    * ``|G|^2`` may come out <= 0 when the signal is small against the noise; the ratio is
+      then reported as is (negative or non-finite), never clipped. Non-finite gradients
+      propagate into the estimates (and stay in the EMAs).
+
+    Communication: the all-reduce of the gradient tree plus one all-reduce of a float32
+    scalar (each worker's squared norm); ``wire`` counts both.
+
+    Args:
+      collective: the workers to average over (`shoal.comms.Collective`), ``size >= 2``.
+      local_batch_size: examples per worker per step (``B_small``), a positive int.
+      ema: EMA decay in ``[0, 1)``.
+
+    References:
+      McCandlish et al., "An Empirical Model of Large-Batch Training", 2018, appendix A.1.
+      Brabete, "KungFu", 2019, section 4.3 and appendix A.3.
+    """
+    check_collective(collective)
+    _check_batch_size(local_batch_size)
+    decay = concrete_float(ema)
+    if decay is not None and not 0.0 <= decay < 1.0:
+        raise ValueError(f"ema must lie in [0, 1), got {ema!r}")
+    n = collective.size
+    if n == 1:
+        raise ValueError(
+            "collective must have size >= 2: with one worker B_big == B_small and the "
+            "noise scale estimates are undefined"
+        )
+
+    def init_fn(params: Any) -> NoiseScaleState:
+        del params
+        zero = jnp.zeros((), jnp.float32)
+        return NoiseScaleState(
+            step=jnp.zeros((), jnp.int32),
+            g2_ema=zero,
+            s_ema=zero,
+            g2=zero,
+            s=zero,
+            noise_scale=zero,
+            wire=WireCount.zero(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        check_floating_leaves("updates", updates)
+        local_sq = _sq_norm(updates)
+        updates = collective.all_reduce(updates, op="mean")
+        small_sq = collective.all_reduce(local_sq, op="mean")
+        big_sq = _sq_norm(updates)
+
+        b = jnp.asarray(local_batch_size, jnp.float32)
+        g2_t = (n * big_sq - small_sq) / (n - 1)
+        s_t = n * b * (small_sq - big_sq) / (n - 1)
+
+        beta = jnp.asarray(ema, jnp.float32)
+        step = optax.safe_increment(state.step)
+        g2_ema = beta * state.g2_ema + (1 - beta) * g2_t
+        s_ema = beta * state.s_ema + (1 - beta) * s_t
+        correction = 1 - beta ** step.astype(jnp.float32)
+        g2 = g2_ema / correction
+        s = s_ema / correction
+
+        sent, received = all_reduce_bytes(tree_nbytes(updates), n)
+        s_sent, s_received = all_reduce_bytes(_SCALAR_BYTES, n)
+        wire = WireCount.of(sent + s_sent, received + s_received)
+        new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, wire)
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def noise_scale(opt_state: Any) -> jax.Array | None:
+    """``B_simple`` of the first `gradient_noise_scale` inside ``opt_state`` (any nesting of
+    optax states), or None when there is none. Works on the host and under tracing; under
+    ``vmap`` over workers the result has a leading worker axis."""
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, NoiseScaleState)):
+        if isinstance(s, NoiseScaleState):
+            return s.noise_scale
+    return None

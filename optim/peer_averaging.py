@@ -1,0 +1,236 @@
+"""Peer model averaging (KungFu's SPMA and, deterministically, APMA) as an Optax wrapper.
+
+After every step each worker averages its model with the model of one peer and applies
+its local update to the average (Brabete's Algorithm 4, lines 4-11)::
+
+    v_r <- (v_r + v_{src(r)}) / 2 + u_r
+
+where ``u_r`` is the update of the inner optimizer computed on ``v_r`` before averaging.
+The peers form a permutation, so every worker sends one model and receives one model per
+step: a single ``ppermute`` of the model, with no global barrier or all-reduce.
+
+References:
+  Brabete, "Kungfu: A Novel Distributed Training System for TensorFlow using Flexible
+  Synchronisation", MEng thesis, Imperial College London, 2019, section 3.4.3 and
+  Algorithm 4. Lian et al., "Asynchronous Decentralized Parallel Stochastic Gradient
+  Descent", ICML 2018.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from shoal.comms.collective import Collective
+from shoal.comms.wire import WireCount, tree_nbytes
+from shoal.optim.validation import check_collective, check_floating_leaves
+
+STRATEGIES = ("round_robin", "random")
+
+# Each pool entry is one branch of a lax.switch, i.e. one compiled ppermute.
+MAX_POOL = 64
+
+
+class PeerAveragingState(NamedTuple):
+    """State of `peer_averaging`.
+
+    Attributes:
+      inner_state: state of the local optimizer.
+      step: int32 count of updates done, the 0-based index of the next one; it picks the
+        peers, so it must be the same on every worker.
+      history: with ``staleness = s > 0``, this worker's models before each of its last
+        ``s`` updates (leading axis ``s``, a ring buffer indexed by ``step % s``); None
+        when ``s == 0``.
+      wire: bytes sent and received by the most recent update.
+    """
+
+    inner_state: Any
+    step: jax.Array
+    history: Any
+    wire: WireCount
+
+
+def peer_averaging(
+    inner: optax.GradientTransformation,
+    *,
+    collective: Collective,
+    strategy: str = "round_robin",
+    staleness: int = 0,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Average this worker's model with one peer's after every step, then apply the
+    local update of ``inner`` (synchronous peer model averaging, Algorithm 4)::
+
+        v <- (v + v_peer) / 2 + u,     u, inner_state = inner.update(g, inner_state, v)
+
+    ``update(grads, state, params)`` needs ``params`` (``v``) and returns
+    ``(v_peer - v) / 2 + u``, so ``optax.apply_updates`` gives the averaged model plus
+    the local update. ``u`` is computed on the model before averaging, as in the thesis.
+
+    Peer selection: at step ``t`` (``state.step``, 0-based) worker ``r`` sends its model
+    to ``perm_t[r]`` and receives from ``perm_t^{-1}[r]``; ``perm_t`` is a permutation
+    without fixed points, so every worker sends and receives exactly one model.
+    `peer_permutation` returns ``perm_t`` on the host.
+
+    * ``"round_robin"``: the shift ``k = 1 + (t mod (N - 1))`` cycles through ``1..N-1``
+      and ``perm_t[r] = (r + k) mod N``, so in ``N - 1`` steps every worker hears from
+      every other one.
+    * ``"random"``: ``ppermute`` needs static permutations, so the host draws a pool of
+      ``min(64, D_N)`` distinct derangements (``D_N`` = their number; rejection sampling
+      of uniform permutations from ``numpy.random.default_rng(seed)``). Step ``t`` uses
+      pool entry ``jax.random.randint(fold_in(key(seed), t), (), 0, len(pool))``, the
+      same on every worker. For ``N <= 5`` the pool holds every derangement, so the
+      choice is uniform over all of them; for larger ``N`` it is uniform over the pool.
+
+    The thesis's workers pick their peers independently (random or round-robin
+    requests); here every step is a permutation so that the exchange is one collective
+    and each model is requested exactly once per step.
+
+    Staleness: with ``staleness = s > 0`` a worker averages with the model its peer held
+    before the peer's update ``s`` steps earlier (the initial model while ``t < s``),
+    ``v_t <- (v_t + v_peer_{t-s}) / 2 + u_t``. This models the asynchronous variant
+    (APMA), where a prefetched model is served from a model store a few steps behind, but
+    deterministically: the delay is fixed, not whatever the network produced. Each
+    worker keeps its own last ``s`` models in ``state.history`` (``s`` times the param
+    memory) and sends the oldest.
+
+    Wire: ``n`` bytes sent and ``n`` received per step (``n`` = param bytes).
+
+    Start every worker from the same model (e.g. ``collective.broadcast(params, 0)``),
+    as Algorithm 4 does; averaging also works from different models.
+
+    Args:
+      inner: the local optimizer, any optax transformation.
+      collective: the workers (`shoal.comms.Collective`), at least 2.
+      strategy: ``"round_robin"`` or ``"random"``.
+      staleness: ``s >= 0``, how many steps old the peer's model is.
+      seed: int ``>= 0``, the shared seed of the ``"random"`` strategy.
+
+    With ``optax.inject_hyperparams``, pass ``static_args=("strategy", "staleness",
+    "seed")``.
+
+    References:
+      Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section 3.4.3 and
+      Algorithm 4.
+    """
+    check_collective(collective)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    _check_int("staleness", staleness, 0)
+    _check_int("seed", seed, 0)
+    size = collective.size
+    if size < 2:
+        raise ValueError(
+            f"collective: peer averaging needs at least 2 workers, got collective.size={size}"
+        )
+    inner = optax.with_extra_args_support(inner)
+    staleness = int(staleness)
+    perms = _static_perms(strategy, size, int(seed))
+    pick = functools.partial(_perm_index, strategy, size, int(seed))
+
+    def init_fn(params):
+        check_floating_leaves("params", params)
+        history = None
+        if staleness:
+            history = jax.tree.map(
+                lambda p: jnp.broadcast_to(jnp.asarray(p), (staleness, *jnp.shape(p))), params
+            )
+        return PeerAveragingState(
+            inner_state=inner.init(params),
+            step=jnp.zeros((), jnp.int32),
+            history=history,
+            wire=WireCount.zero(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("peer_averaging needs params: call update(grads, state, params)")
+        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        t = state.step
+        history = state.history
+        if staleness:
+            slot = t % staleness
+            sent = jax.tree.map(lambda h: lax.dynamic_index_in_dim(h, slot, 0, False), history)
+            history = jax.tree.map(
+                lambda h, p: lax.dynamic_update_index_in_dim(h, p.astype(h.dtype), slot, 0),
+                history,
+                params,
+            )
+        else:
+            sent = params
+
+        def exchange(perm):
+            pairs = tuple(enumerate(perm))
+            return lambda tree: jax.tree.map(lambda x: collective.ppermute(x, pairs), tree)
+
+        received = lax.switch(pick(t), [exchange(p) for p in perms], sent)
+        out = jax.tree.map(
+            lambda q, p, u: ((q - p) / 2 + u).astype(u.dtype), received, params, inner_updates
+        )
+        n = tree_nbytes(params)
+        return out, PeerAveragingState(inner_state, t + 1, history, WireCount.of(n, n))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def peer_permutation(strategy: str, size: int, step: int, seed: int = 0) -> tuple[int, ...]:
+    """The permutation `peer_averaging` uses at 0-based step ``step`` (host-side):
+    ``perm[r]`` is the rank that worker ``r`` sends its model to."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    _check_int("size", size, 2)
+    _check_int("step", step, 0)
+    _check_int("seed", seed, 0)
+    perms = _static_perms(strategy, int(size), int(seed))
+    return perms[int(_perm_index(strategy, int(size), int(seed), jnp.int32(step)))]
+
+
+def _perm_index(strategy: str, size: int, seed: int, t: jax.Array) -> jax.Array:
+    """Index into `_static_perms` at step ``t``: identical on every worker."""
+    t = jnp.asarray(t, jnp.int32)
+    if strategy == "round_robin":
+        return t % (size - 1)
+    pool = len(_derangement_pool(size, seed))
+    return jax.random.randint(jax.random.fold_in(jax.random.key(seed), t), (), 0, pool)
+
+
+def _static_perms(strategy: str, size: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    if strategy == "round_robin":
+        return tuple(tuple((r + k) % size for r in range(size)) for k in range(1, size))
+    return _derangement_pool(size, seed)
+
+
+@functools.cache
+def _derangement_pool(size: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    # Distinct draws: with fewer derangements than MAX_POOL (N <= 5) the pool is all of
+    # them, so the per-step choice is exactly uniform over derangements.
+    rng = np.random.default_rng(seed)
+    target = min(MAX_POOL, _count_derangements(size))
+    pool: dict[tuple[int, ...], None] = {}
+    identity = np.arange(size)
+    while len(pool) < target:
+        p = rng.permutation(size)
+        if not np.any(p == identity):
+            pool.setdefault(tuple(int(d) for d in p), None)
+    return tuple(pool)
+
+
+def _count_derangements(size: int) -> int:
+    """``D_n = (n - 1) (D_{n-1} + D_{n-2})``, stopping once it exceeds `MAX_POOL`."""
+    d_prev, d = 1, 0  # D_0, D_1
+    for n in range(2, size + 1):
+        d_prev, d = d, (n - 1) * (d + d_prev)
+        if d > MAX_POOL:
+            return d
+    return d
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
