@@ -35,7 +35,18 @@ import optax
 
 from shoal.comms import Collective, gradient_order
 from shoal.experiments.config import Config, ConfigError
-from shoal.optim import allreduce_gradients, bfb_allreduce, bmuf, bmuf_gtc, gtc, onebit_lamb
+from shoal.optim import (
+    allreduce_gradients,
+    bfb_allreduce,
+    bmuf,
+    bmuf_gtc,
+    gradient_noise_scale,
+    gtc,
+    onebit_lamb,
+    partial_exchange,
+    peer_averaging,
+    sma,
+)
 
 Comms = Collective | tuple[Collective, Collective]
 Builder = Callable[[Config, Comms], optax.GradientTransformation]
@@ -55,12 +66,14 @@ class BuildContext:
 class Algorithm:
     """A registered builder; ``two_tier``: it takes ``(intra, inter)``; ``context``: it
     takes a third argument, the `BuildContext`; ``check(cfg)`` raises `ConfigError` for a
-    config it cannot run (None: any config)."""
+    config it cannot run (None: any config); ``policy`` names the
+    `shoal.experiments.policies.Policy` that may change its config fields during a run."""
 
     build: Builder
     two_tier: bool = False
     check: Callable[[Config], None] | None = None
     context: bool = False
+    policy: str | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -72,13 +85,14 @@ def register(
     two_tier: bool = False,
     check: Callable[[Config], None] | None = None,
     context: bool = False,
+    policy: str | None = None,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder`` available to configs as ``name``."""
 
     def add(builder: Builder) -> Builder:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context)
+        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context, policy)
         return builder
 
     return add
@@ -130,15 +144,21 @@ def group_size(entry: str, cfg: Config) -> int | None:
 
 
 def build(
-    entry: str, cfg: Config, comms: Comms, context: BuildContext | None = None
+    entry: str,
+    cfg: Config,
+    comms: Comms,
+    context: BuildContext | None = None,
+    changes: dict[str, Any] | None = None,
 ) -> optax.GradientTransformation:
     """The transformation of ``entry``: ``comms`` is the world collective, or ``(intra,
-    inter)`` when `group_size` is not None."""
+    inter)`` when `group_size` is not None. ``changes`` (a policy's decisions so far) apply
+    on top of the entry's config."""
     check_known((entry,))
     algo = ALGORITHMS[parse_entry(entry)[0]]
+    sub = dataclasses.replace(entry_config(entry, cfg), **(changes or {}))
     if algo.context:
-        return algo.build(entry_config(entry, cfg), comms, context or BuildContext())
-    return algo.build(entry_config(entry, cfg), comms)
+        return algo.build(sub, comms, context or BuildContext())
+    return algo.build(sub, comms)
 
 
 def local_sgd(cfg: Config) -> optax.GradientTransformation:
@@ -307,3 +327,59 @@ def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """1-bit LAMB (`shoal.optim.onebit_lamb`): `lamb` for `freeze_step` steps, then the
     momentum through the 1-bit compressed all-reduce with the frozen variance."""
     return _lamb(cfg, collective, freeze_step(cfg))
+
+
+@register("pgx")
+def pgx(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """KungFu's partial gradient exchange (`shoal.optim.partial_exchange`): one bin of
+    ``pgx_fraction`` of the gradient bytes averaged per step, round robin, then
+    `local_sgd`."""
+    return optax.chain(partial_exchange(cfg.pgx_fraction, collective=collective), local_sgd(cfg))
+
+
+def _check_peers(cfg: Config) -> None:
+    if cfg.workers < 2:
+        raise ConfigError("peer averaging needs at least 2 workers")
+
+
+@register("peer", check=_check_peers)
+def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """KungFu's peer model averaging (`shoal.optim.peer_averaging`) around `local_sgd`:
+    every step each worker averages its model with one peer's (``peer_strategy``,
+    ``peer_staleness``), then applies its local update."""
+    return peer_averaging(
+        local_sgd(cfg),
+        collective=collective,
+        strategy=cfg.peer_strategy,
+        staleness=cfg.peer_staleness,
+        seed=cfg.seed,
+    )
+
+
+@register("sma")
+def sma_(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """Synchronous model averaging (`shoal.optim.sma`) around `local_sgd`: every step
+    ``v <- (1 - sma_alpha) v + sma_alpha mean(v)``, then the local update."""
+    return sma(local_sgd(cfg), collective=collective, alpha=cfg.sma_alpha)
+
+
+@register("ssgd_noise")
+def ssgd_noise(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """S-SGD that also estimates the gradient noise scale
+    (`shoal.optim.gradient_noise_scale`, logged as ``noise_scale``), then `local_sgd`."""
+    return optax.chain(
+        gradient_noise_scale(
+            collective=collective, local_batch_size=cfg.batch_size, ema=cfg.noise_ema
+        ),
+        local_sgd(cfg),
+    )
+
+
+@register("adaptive", policy="noise_scale")
+def adaptive(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """KungFu with closed-loop adaptation: ``ssgd_noise`` while ``adaptive_sync`` is
+    "full", partial exchange of ``adaptive_fraction`` once the ``noise_scale`` policy
+    (`shoal.experiments.policies.noise_scale_switch`) sets it to "partial"."""
+    if cfg.adaptive_sync == "full":
+        return ssgd_noise(cfg, collective)
+    return pgx(dataclasses.replace(cfg, pgx_fraction=cfg.adaptive_fraction), collective)

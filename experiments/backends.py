@@ -7,7 +7,8 @@ Both backends expose the same small interface to the training loop:
 * ``spmd(fn, group_size=None)``: compile a per-worker function for all of this
   process's workers; with a ``group_size``, ``fn`` may use ``two_tier(group_size)``;
 * ``replicate`` / ``local``: per-worker layout of parameters and of global batches;
-* ``gather`` / ``mean_params``: host-side metrics for the root process (rank 0).
+* ``gather`` / ``mean_params``: host-side metrics for the root process (rank 0);
+* ``share``: a host value of the root on every process (e.g. a policy's decision).
 
 Per-worker values always have the same host layout, a leading axis over this process's
 workers in rank order, whatever the tiers: only ``spmd`` knows how they are grouped.
@@ -76,6 +77,10 @@ class SimBackend:
         """``stacked`` values of all workers, leading axis ``size``, on the root (else None)."""
         return jax.tree.map(np.asarray, jax.device_get(tree))
 
+    def share(self, obj: Any) -> Any:
+        """The root's host value ``obj`` on every process (one process here)."""
+        return obj
+
     def mean_params(self, params: Any) -> Any:
         # Sum then divide, in float32, as the MPI backend does.
         return jax.tree.map(lambda a: np.asarray(a).sum(0) / np.float32(self.size), params)
@@ -140,6 +145,10 @@ class MPIBackend:
         if not self.is_root:
             return None
         return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+    def share(self, obj: Any) -> Any:
+        """The root's host value ``obj`` on every rank (a pickled broadcast)."""
+        return self.comm.bcast(obj, root=0)
 
     def mean_params(self, params: Any) -> Any:
         flat, unravel = ravel_pytree(params)

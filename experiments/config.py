@@ -116,6 +116,23 @@ class Config:
     # (0: automatic). Dedicated server ranks come from `shoal-run --servers S`.
     bfb_buffer_bytes: int = 0
 
+    # KungFu (`shoal.optim`): partial gradient exchange fraction of the gradient bytes per
+    # step (pgx), peer model averaging strategy and staleness (peer), synchronous model
+    # averaging rate (sma), and the EMA of the gradient noise scale monitor.
+    pgx_fraction: float = 0.3
+    peer_strategy: Literal["round_robin", "random"] = "round_robin"
+    peer_staleness: int = 0
+    sma_alpha: float = 0.1
+    noise_ema: float = 0.9
+    # Closed-loop adaptation (`shoal.experiments.policies`, algorithm "adaptive"): every
+    # policy_every steps the policy may change the synchronisation; "adaptive" exchanges all
+    # gradients (monitoring the noise scale) until the median noise scale of the last
+    # policy_every steps exceeds noise_threshold, then a fraction adaptive_fraction (PGX).
+    policy_every: int = 10
+    noise_threshold: float = 1000.0
+    adaptive_fraction: float = 0.1
+    adaptive_sync: Literal["full", "partial"] = "full"
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -130,6 +147,11 @@ class Config:
             _check(getattr(self, f) >= 1, f, "an int >= 1")
         _check(self.num_classes >= 2, "num_classes", "an int >= 2")
         _check(self.bfb_buffer_bytes >= 0, "bfb_buffer_bytes", "an int >= 0 (0: automatic)")
+        for f in ("pgx_fraction", "sma_alpha", "adaptive_fraction"):
+            _check(0 < getattr(self, f) <= 1, f, "a float in (0, 1]")
+        _check(self.peer_staleness >= 0, "peer_staleness", "an int >= 0")
+        _check(0 <= self.noise_ema < 1, "noise_ema", "a float in [0, 1)")
+        _check(self.policy_every >= 1, "policy_every", "an int >= 1")
         _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
         _check(self.class_sep > 0, "class_sep", "a float > 0")
         _check(self.learning_rate > 0, "learning_rate", "a float > 0")

@@ -25,6 +25,8 @@ COLUMNS = (
     "mb_sent",
     "mb_received",
     "density",
+    "noise_scale",
+    "policy",
     "time_s",
 )
 # (summary key, table header, format)

@@ -14,10 +14,11 @@ import optax
 from tqdm.auto import tqdm
 
 from shoal.comms import wire_bytes
-from shoal.experiments import algorithms
+from shoal.experiments import algorithms, policies
 from shoal.experiments.config import Config
 from shoal.optim.bmuf import BMUFState
 from shoal.optim.gtc import sent_fraction
+from shoal.optim.noise_scale import noise_scale
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
 
@@ -49,7 +50,9 @@ def make_step(loss_fn, tx: optax.GradientTransformation):
         # Sparsifiers move a fixed-capacity buffer; their density says how full it was.
         density = sent_fraction(opt_state)
         density = jnp.float32(jnp.nan) if density is None else density
-        return params, opt_state, (loss, wire.sent, wire.received, density)
+        noise = noise_scale(opt_state)
+        noise = jnp.float32(jnp.nan) if noise is None else noise
+        return params, opt_state, (loss, wire.sent, wire.received, density, noise)
 
     return step
 
@@ -68,6 +71,26 @@ def evaluated_params(params: Any, opt_state: Any) -> Any:
         return params
     state = states[0]
     return state.global_params if state.filtered is None else state.filtered
+
+
+def carry_state(old: Any, new: Any) -> Any:
+    """``new`` (a freshly initialised optimizer state) with every part that has the same
+    structure, shapes and dtypes as in ``old`` taken from ``old``: after a policy changes
+    the exchange of a ``chain(exchange, local optimizer)``, the local optimizer's momentum
+    carries over and the exchange starts fresh."""
+
+    def same(a, b):
+        la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+        return jax.tree.structure(a) == jax.tree.structure(b) and all(
+            np.shape(x) == np.shape(y) and x.dtype == y.dtype for x, y in zip(la, lb)
+        )
+
+    if same(old, new):
+        return old
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(old) == len(new):
+        parts = [carry_state(o, n) for o, n in zip(old, new)]
+        return type(new)(*parts) if hasattr(new, "_fields") else tuple(parts)
+    return new
 
 
 def _per_worker(values: np.ndarray) -> int | float:
@@ -97,6 +120,9 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
     spmd = functools.partial(backend.spmd, group_size=group_size)
     context = algorithms.BuildContext(task=task, servers=getattr(backend, "servers", None))
     tx = algorithms.build(algorithm, cfg, comms, context)
+    policy_name = algorithms.ALGORITHMS[algorithms.parse_entry(algorithm)[0]].policy
+    policy = policies.POLICIES[policy_name] if policy_name else None
+    changes: dict[str, Any] = {}
     start = time.perf_counter()
     params = spmd(from_root)(backend.replicate(task.init_params()))
     opt_state = spmd(tx.init)(params)
@@ -113,9 +139,19 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
         evaluate = step % cfg.eval_every == 0 or step == cfg.steps
         # Every rank takes part in the average; only the root evaluates it.
         avg = backend.mean_params(evaluated_params(params, opt_state)) if evaluate else None
+        decision = None
+        if policy is not None and step % cfg.policy_every == 0 and step < cfg.steps:
+            run_cfg = algorithms.entry_config(algorithm, dataclasses.replace(cfg, **changes))
+            decision = backend.share(policy.decide(records, run_cfg) if backend.is_root else None)
+            if decision:
+                # Rebuild with the new settings; keep params and what the new state can use.
+                changes.update(decision)
+                tx = algorithms.build(algorithm, cfg, comms, context, changes)
+                opt_state = carry_state(opt_state, spmd(tx.init)(params))
+                step_fn = spmd(make_step(task.loss, tx))
         if not backend.is_root:
             continue
-        loss, sent, received, density = gathered
+        loss, sent, received, density, noise = gathered
         sent_total += sent.astype(np.int64)
         received_total += received.astype(np.int64)
         rec = {
@@ -129,6 +165,10 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
         }
         if not np.isnan(density).any():
             rec["density"] = float(np.mean(density, dtype=np.float64))
+        if not np.isnan(noise).all():
+            rec["noise_scale"] = float(np.mean(noise, dtype=np.float64))
+        if decision:
+            rec["policy"] = policies.describe(decision)
         if evaluate:
             rec["test_loss"], rec["test_accuracy"] = task.evaluate(avg)
         rec["time_s"] = time.perf_counter() - start

@@ -45,9 +45,10 @@ WORKERS = 4
 STEPS = 12
 BLOCK = 4
 GROUP = 2  # two groups of two workers
-ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb")
+ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "adaptive")
 SETS = [f"steps={STEPS}", "eval_every=5", "algorithms=" + ",".join(ALGORITHMS),
-        f"block_size={BLOCK}", f"group_size={GROUP}"]  # fmt: skip
+        f"block_size={BLOCK}", f"group_size={GROUP}",
+        "policy_every=4", "noise_threshold=0"]  # fmt: skip
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
 
 
@@ -179,7 +180,9 @@ def test_outputs_are_consistent(sim_run):
     # GTC reports how full its fixed-capacity buffer was; S-SGD has no such number.
     assert all(0 < r["density"] <= 0.08 for r in all_recs if "gtc" in r["algorithm"])
     assert not any(
-        "density" in r for r in all_recs if r["algorithm"] in ("ssgd", "bmuf", "onebit_lamb", "bfb")
+        "density" in r
+        for r in all_recs
+        if r["algorithm"] in ("ssgd", "bmuf", "onebit_lamb", "bfb", "pgx", "peer")
     )
     recs = [r for r in all_recs if r["algorithm"] == "ssgd"]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
@@ -208,7 +211,7 @@ def test_outputs_are_consistent(sim_run):
     assert f"| {last['test_accuracy']:.2%} | {1 - last['test_accuracy']:.2%} |" in summary
     assert f"| {last['mb_sent']:.3f} |" in summary
     assert "| `workers` | `4` |" in summary
-    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc,onebit_lamb,bfb` |" in summary
+    assert "| `algorithms` | `ssgd,gtc,bmuf,bmuf_gtc,onebit_lamb,bfb,pgx,peer,adaptive` |" in summary
     # BFB (colocated) moves each buffer like a ring all-reduce: here one buffer holds the
     # whole (small) gradient, padded to a multiple of 4 shards.
     bfb = [r for r in all_recs if r["algorithm"] == "bfb"]

@@ -1,11 +1,14 @@
-"""Quickstart: S-SGD, GTC, BMUF, two-tier BMUF_GTC and 1-bit LAMB on 8 simulated workers,
-well under a minute on 2 CPU cores.
+"""Quickstart: S-SGD, GTC, BMUF, two-tier BMUF_GTC, 1-bit LAMB, Herring's BFB, KungFu's
+partial gradient exchange (PGX) and peer model averaging on 8 simulated workers, about a
+minute on 2 CPU cores.
 
 Run with ``shoal-run experiments/configs/quickstart.py --workers 8`` (``make run``).
 BMUF syncs every 10 steps; BMUF_GTC runs GTC inside 2 groups of 4 workers and BMUF
 across them. ``steps`` is a multiple of ``block_size``, so the last step is a BMUF step.
 1-bit LAMB all-reduces densely for its first 30 steps (15%), then sends its momentum as
-signs: about 5.6x fewer bytes than S-SGD over the run.
+signs: about 5.6x fewer bytes than S-SGD over the run. BFB reduces the gradient through
+balanced fusion buffers (here one buffer: the model is small); PGX averages one of two
+bins of leaves per step; peer averaging exchanges models with one peer per step.
 """
 
 from shoal.experiments.config import Config
@@ -14,7 +17,7 @@ from shoal.experiments.config import Config
 def get_config() -> Config:
     return Config(
         name="quickstart",
-        algorithms=("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb"),
+        algorithms=("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer"),
         workers=8,
         steps=200,
         batch_size=32,
@@ -25,4 +28,7 @@ def get_config() -> Config:
         group_size=4,
         lamb_learning_rate=0.02,
         onebit_freeze_fraction=0.15,
+        # The MLP's largest leaf is 59% of its gradient: PGX needs bins at least that big.
+        pgx_fraction=0.6,
+        adaptive_fraction=0.6,
     )

@@ -1,0 +1,114 @@
+"""Closed-loop adaptation: the noise-scale policy, carrying optimizer state across a
+switch, and the runner applying a switch mid-run (checked against a hand-made run)."""
+
+from pathlib import Path
+
+import harness
+import jax
+import numpy as np
+import optax
+import pytest
+
+from shoal.comms import tree_nbytes
+from shoal.experiments.backends import SimBackend
+from shoal.experiments.config import apply_overrides, load_config
+from shoal.experiments.policies import noise_scale_switch
+from shoal.experiments.tasks import GaussianMixtureTask
+from shoal.experiments.train import carry_state, train
+from shoal.optim import gradient_noise_scale, partial_exchange, pgx_partition
+
+pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process runner tests")
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
+WORKERS, STEPS, EVERY = 4, 10, 4
+
+
+def test_noise_scale_switch_uses_the_median_of_the_last_window():
+    cfg = apply_overrides(load_config(QUICKSTART), ["policy_every=3", "noise_threshold=100"])
+    recs = [{"noise_scale": v} for v in (500, 500, 500, 90, 120, 95)]
+    assert noise_scale_switch(recs, cfg) is None  # median of 90, 120, 95 is 95
+    recs[-1]["noise_scale"] = 130
+    assert noise_scale_switch(recs, cfg) == {"adaptive_sync": "partial"}
+    switched = apply_overrides(cfg, ["adaptive_sync=partial"])
+    assert noise_scale_switch(recs, switched) is None  # once
+    assert noise_scale_switch([{"loss": 1.0}] * 5, cfg) is None  # nothing measured
+
+
+def test_carry_state_keeps_what_fits():
+    params = {"w": np.ones((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+    sgd = optax.sgd(0.1, momentum=0.9)
+    old = (optax.EmptyState(), sgd.init(params))
+    old = (old[0], jax.tree.map(lambda a: a + 7.0, old[1]))  # a used momentum
+    new = (optax.scale(2.0).init(params), sgd.init(params))
+    got = carry_state(old, new)
+    assert jax.tree.all(jax.tree.map(lambda a: np.all(a == 7.0), got[1]))
+    # Different structure: the fresh state wins, whole.
+    fresh = {"x": np.zeros(4)}
+    assert carry_state({"y": np.ones(4)}, fresh) is fresh
+
+
+def test_runner_switches_from_full_to_partial_exchange():
+    cfg = apply_overrides(
+        load_config(QUICKSTART),
+        [f"workers={WORKERS}", f"steps={STEPS}", f"policy_every={EVERY}", "noise_threshold=0"],
+    )
+    task = GaussianMixtureTask(cfg)
+    result = train(cfg, task, SimBackend(WORKERS), "adaptive", progress=False)
+    recs = result.records
+    # The policy first looks after step EVERY; a positive noise scale beats threshold 0.
+    assert [r.get("policy") for r in recs] == [None] * (EVERY - 1) + ["adaptive_sync=partial"] + [
+        None
+    ] * (STEPS - EVERY)
+    assert all("noise_scale" in r for r in recs[:EVERY])
+    assert not any("noise_scale" in r for r in recs[EVERY:])
+
+    # Oracle: the same two stages by hand, the local SGD state carried over the switch.
+    params0 = task.init_params()
+    n = tree_nbytes(params0)
+    full = 2 * (WORKERS - 1) * n // WORKERS + 2 * (WORKERS - 1) * 4 // WORKERS
+    bins = pgx_partition(params0, cfg.adaptive_fraction)
+    leaf_bytes = {
+        jax.tree_util.keystr(k): v.size * 4 for k, v in jax.tree_util.tree_leaves_with_path(params0)
+    }
+    bin_bytes = [sum(leaf_bytes[p] for p in b) for b in bins]
+    partial = [2 * (WORKERS - 1) * bin_bytes[t % len(bins)] // WORKERS for t in range(STEPS)]
+    assert [r["bytes_sent"] for r in recs] == [full] * EVERY + partial[: STEPS - EVERY]
+
+    coll = SimBackend(WORKERS).collective
+    sgd = optax.sgd(cfg.learning_rate, momentum=cfg.momentum)
+    first = optax.chain(gradient_noise_scale(collective=coll, local_batch_size=cfg.batch_size,
+                                             ema=cfg.noise_ema), sgd)  # fmt: skip
+    second = optax.chain(partial_exchange(cfg.adaptive_fraction, collective=coll), sgd)
+
+    def run(tx, params, state, steps):
+        def step(p, s, x, y):
+            g = jax.grad(task.loss)(p, x, y)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.jit(jax.vmap(step, axis_name=coll.axis_name))
+        for t in steps:
+            x, y = task.batch(t, WORKERS)
+            params, state = f(params, state, x, y)
+        return params, state
+
+    params = jax.tree.map(lambda a: np.broadcast_to(a, (WORKERS, *a.shape)), params0)
+    state = jax.vmap(first.init)(params)
+    params, state = run(first, params, state, range(EVERY))
+    state = (jax.vmap(second.init)(params)[0], state[1])
+    params, _ = run(second, params, state, range(EVERY, STEPS))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), result.params, params
+    )
+
+
+def test_no_switch_below_the_threshold():
+    cfg = apply_overrides(
+        load_config(QUICKSTART),
+        [f"workers={WORKERS}", "steps=6", "policy_every=2", "noise_threshold=1e12"],
+    )
+    recs = train(cfg, GaussianMixtureTask(cfg), SimBackend(WORKERS), "adaptive",
+                 progress=False).records  # fmt: skip
+    assert not any("policy" in r for r in recs)
+    assert len({r["bytes_sent"] for r in recs}) == 1
+    assert all(r["noise_scale"] > 0 for r in recs)
