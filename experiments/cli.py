@@ -21,7 +21,7 @@ from shoal.experiments import algorithms
 from shoal.experiments.analysis import Analysis, run_analysis
 from shoal.experiments.backends import make_backend
 from shoal.experiments.config import Config, ConfigError, apply_overrides, load_file
-from shoal.experiments.report import summary_table, write_run
+from shoal.experiments.report import PLOTS, summary_table, write_run
 from shoal.experiments.study import Study, run_study
 from shoal.experiments.tasks import make_task
 from shoal.experiments.train import train
@@ -240,8 +240,7 @@ def _main(args, argv, backend) -> int:
         task=task,
     )
     print(summary_table(summaries))
-    print(f"wrote {out}/ (summary.md, metrics.jsonl, metrics.csv, loss_vs_step.png, "
-          f"loss_vs_mb.png)")  # fmt: skip
+    print(f"wrote {out}/ (summary.md, metrics.jsonl, metrics.csv, {', '.join(PLOTS)})")
     return 0
 
 

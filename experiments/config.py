@@ -46,8 +46,11 @@ class Config:
     # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
     # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
     # acoustic modelling (`shoal.experiments.acoustic`), or "lm", a byte-level transformer
-    # language model on the Python standard library's source (`shoal.experiments.lm`).
-    task: Literal["mixture", "hmm", "lm"] = "mixture"
+    # language model on the Python standard library's source (`shoal.experiments.lm`), or
+    # "images", a CNN on generated 16x16 glyph images (`shoal.experiments.images`; cnn:
+    # "small", two conv stages then dense layers of widths `hidden`, or "even", the same
+    # network with its hidden layer stored as 16 column blocks: no leaf above 10%).
+    task: Literal["mixture", "hmm", "lm", "images"] = "mixture"
     # Classes (mixture) or hidden states (hmm), and the feature dimension.
     num_classes: int = 10
     num_features: int = 32
@@ -71,6 +74,7 @@ class Config:
     lm_width: int = 64
     lm_layers: int = 2
     lm_heads: int = 4
+    cnn: Literal["small", "even"] = "small"
 
     # Local optimizer shared by the algorithms (SGD with heavy-ball momentum).
     learning_rate: float = 0.05
@@ -128,7 +132,9 @@ class Config:
     # policy_every steps the policy may change the synchronisation; "adaptive" exchanges all
     # gradients (monitoring the noise scale) until the median noise scale of the last
     # policy_every steps exceeds noise_threshold, then a fraction adaptive_fraction (PGX).
+    # The policy is not consulted before step policy_after (early noise estimates swing).
     policy_every: int = 10
+    policy_after: int = 0
     noise_threshold: float = 1000.0
     adaptive_fraction: float = 0.1
     adaptive_sync: Literal["full", "partial"] = "full"
@@ -152,6 +158,7 @@ class Config:
         _check(self.peer_staleness >= 0, "peer_staleness", "an int >= 0")
         _check(0 <= self.noise_ema < 1, "noise_ema", "a float in [0, 1)")
         _check(self.policy_every >= 1, "policy_every", "an int >= 1")
+        _check(self.policy_after >= 0, "policy_after", "an int >= 0")
         _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
         _check(self.class_sep > 0, "class_sep", "a float > 0")
         _check(self.learning_rate > 0, "learning_rate", "a float > 0")

@@ -42,7 +42,7 @@ SUMMARY_COLUMNS = (
     ("density", "sent/elements", "{:.2%}"),
     ("wall_s", "wall s", "{:.1f}"),
 )
-PLOTS = ("loss_vs_step.png", "loss_vs_mb.png")
+PLOTS = ("loss_vs_step.png", "loss_vs_mb.png", "accuracy_vs_step.png")
 SAMPLES_PLOT = "test_loss_vs_samples.png"  # with a LAMB / 1-bit LAMB pair
 
 
@@ -90,6 +90,35 @@ def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=120)
+
+
+def plot_accuracy(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    """Test accuracy at the evaluated steps, one line per algorithm; a policy's changes
+    are marked on its line."""
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in records)):
+        rows = [r for r in records if r["algorithm"] == name]
+        ev = [r for r in rows if "test_accuracy" in r]
+        ax.plot([r["step"] for r in ev], [r["test_accuracy"] for r in ev], marker="o", ms=3,
+                color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name)  # fmt: skip
+        for r in rows:
+            if "policy" in r:
+                ax.axvline(r["step"], color=f"C{i % 10}", ls=":", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("test accuracy")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
+def policy_section(records: Sequence[dict[str, Any]]) -> str:
+    """The changes closed-loop policies made, if any."""
+    changes = [r for r in records if "policy" in r]
+    if not changes:
+        return ""
+    lines = [f"- `{r['algorithm']}` after step {r['step']}: `{r['policy']}`" for r in changes]
+    return "\n## Policy changes\n\n" + "\n".join(lines) + "\n"
 
 
 def onebit_pair(cfg: Any) -> tuple[str, str] | None:
@@ -214,6 +243,7 @@ of the last BMUF step, which is the last step). MB: 10^6 bytes put on
 
 ![loss vs step]({PLOTS[0]})
 ![loss vs MB sent]({PLOTS[1]})
+![test accuracy vs step]({PLOTS[2]})
 
 Per-step metrics: `metrics.jsonl`, `metrics.csv`.
 {extra}
@@ -245,12 +275,13 @@ def write_run(
     write_csv(paths[1], records)
     plot_loss(paths[2], records, "step", "step")
     plot_loss(paths[3], records, "mb_sent", "MB sent per worker (cumulative)")
-    extra = onebit_section(cfg, records, summaries)
+    plot_accuracy(paths[4], records)
+    extra = policy_section(records) + onebit_section(cfg, records, summaries)
     if extra:
         paths.append(out / SAMPLES_PLOT)
         plot_test_vs_samples(paths[-1], cfg, records)
     info = getattr(task, "corpus_info", None)
     if info is not None:
         extra += "\n## Data\n\n" + "\n".join(f"- {k}: {v}" for k, v in info().items()) + "\n"
-    write_summary(paths[4], cfg, summaries, backend=backend, command=command, extra=extra)
+    write_summary(paths[5], cfg, summaries, backend=backend, command=command, extra=extra)
     return paths

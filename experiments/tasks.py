@@ -19,6 +19,7 @@ import numpy as np
 from shoal.experiments.acoustic import HMMFrameTask
 from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
+from shoal.experiments.images import ImageTask
 from shoal.experiments.lm import ByteLMTask
 
 
@@ -95,7 +96,12 @@ class GaussianMixtureTask(ClassifierTask):
         super().__init__(cfg, model, jnp.zeros((1, cfg.num_features), jnp.float32))
 
 
-TASKS = {"mixture": GaussianMixtureTask, "hmm": HMMFrameTask, "lm": ByteLMTask}
+TASKS = {
+    "mixture": GaussianMixtureTask,
+    "hmm": HMMFrameTask,
+    "lm": ByteLMTask,
+    "images": ImageTask,
+}
 
 
 def make_task(cfg: Config):

@@ -140,7 +140,8 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
         # Every rank takes part in the average; only the root evaluates it.
         avg = backend.mean_params(evaluated_params(params, opt_state)) if evaluate else None
         decision = None
-        if policy is not None and step % cfg.policy_every == 0 and step < cfg.steps:
+        asked = step % cfg.policy_every == 0 and cfg.policy_after <= step < cfg.steps
+        if policy is not None and asked:
             run_cfg = algorithms.entry_config(algorithm, dataclasses.replace(cfg, **changes))
             decision = backend.share(policy.decide(records, run_cfg) if backend.is_root else None)
             if decision:

@@ -112,3 +112,19 @@ def test_no_switch_below_the_threshold():
     assert not any("policy" in r for r in recs)
     assert len({r["bytes_sent"] for r in recs}) == 1
     assert all(r["noise_scale"] > 0 for r in recs)
+
+
+def test_kungfu_config_runs_every_entry(tmp_path):
+    """The experiment's ten entries build and train (3 steps, the policy forced to switch)."""
+    from shoal.experiments.cli import main
+
+    config = QUICKSTART.parent / "kungfu.py"
+    sets = ["workers=2", "steps=3", "eval_every=3", "train_size=512", "test_size=64",
+            "policy_after=0", "policy_every=1", "noise_threshold=0"]  # fmt: skip
+    assert main([str(config), "--set", *sets, "--no-progress", "--out", str(tmp_path)]) == 0
+    recs = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").open())]
+    assert len(recs) == 3 * 10
+    switched = [r for r in recs if r["algorithm"] == "adaptive" and "policy" in r]
+    # Once, as soon as an estimate is positive (with 2 workers one step may not be).
+    assert len(switched) == 1 and switched[0]["step"] < 3
+    assert "## Policy changes" in (tmp_path / "summary.md").read_text()

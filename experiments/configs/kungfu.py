@@ -1,0 +1,54 @@
+"""KungFu's flexible synchronisation on an image task: S-SGD vs partial gradient exchange
+(PGX) at fractions 1, 0.3 and 0.1 vs peer model averaging (round robin and random
+derangements, staleness 0 and 1) vs synchronous model averaging (SMA) vs the closed-loop
+policy (full exchange until the gradient noise scale passes a threshold, then PGX 0.1).
+
+Run with ``shoal-run experiments/configs/kungfu.py`` (about 2 minutes on 2 CPU cores);
+it writes ``runs/kungfu/``: the comparison table in ``summary.md``, test accuracy vs
+step (``accuracy_vs_step.png``) and loss vs MB sent per worker.
+
+Task: 16x16 generated glyph images, 10 classes (`shoal.experiments.images`), a small CNN
+(two conv stages, one hidden layer of 64 stored as 16 column blocks, so that no leaf
+exceeds 10% of the gradient and PGX 0.1 is possible). 8 simulated workers x 32 examples,
+SGD with momentum 0.9 and learning rate 0.05 for every algorithm. The noise-scale
+threshold (150) and the first step the policy may act (100) come from an S-SGD run of
+this config: the estimate swings early, falls to ~30-100 around steps 40-90, then grows
+past 150 as training settles.
+"""
+
+from shoal.experiments.config import Config
+
+ALGORITHMS = (
+    "ssgd",
+    "pgx[pgx_fraction=1.0]",
+    "pgx[pgx_fraction=0.3]",
+    "pgx[pgx_fraction=0.1]",
+    "peer[peer_strategy=round_robin;peer_staleness=0]",
+    "peer[peer_strategy=round_robin;peer_staleness=1]",
+    "peer[peer_strategy=random;peer_staleness=0]",
+    "peer[peer_strategy=random;peer_staleness=1]",
+    "sma",
+    "adaptive",
+)
+
+
+def get_config() -> Config:
+    return Config(
+        name="kungfu",
+        algorithms=ALGORITHMS,
+        task="images",
+        cnn="even",
+        train_size=32768,
+        test_size=2048,
+        workers=8,
+        steps=300,
+        batch_size=32,
+        eval_every=25,
+        learning_rate=0.05,
+        momentum=0.9,
+        sma_alpha=0.1,
+        noise_threshold=150.0,
+        policy_every=10,
+        policy_after=100,
+        adaptive_fraction=0.1,
+    )
