@@ -44,12 +44,15 @@ test-mpi: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/gtc_pack.py
 	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) $(PY) benchmarks/compressed_allreduce.py
+	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n 6 $(PY) benchmarks/bfb_allreduce.py --fused
 
 # The longer experiments behind the README's results (minutes each on 2 cores).
 study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/gtc_sweep.py
 	$(BIN)/shoal-run experiments/configs/acoustic_study.py
 	$(BIN)/shoal-run experiments/configs/onebit_lamb_lm.py
+	$(BIN)/shoal-run experiments/configs/herring_table3.py
+	$(BIN)/shoal-run experiments/configs/kungfu.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,6 +6,7 @@ mpiexec. Dedicated servers need W + S ranks: `test_dedicated_servers` starts its
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -258,6 +259,10 @@ def test_servers_do_not_hang_when_workers_never_shut_down():
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [mpiexec(), "-n", "3", sys.executable, str(JOB), "orphan"]
+    start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode != 0
-    assert "waited 2 s" in proc.stderr, proc.stderr[-3000:]
+    # Exit code 3 is the job's TimeoutError handler (MPI_Abort(3)); the abort may cut off
+    # the forwarded stderr, so the message is checked only when it arrived.
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "waited 2 s" in proc.stderr or not proc.stderr.strip(), proc.stderr[-3000:]
+    assert time.monotonic() - start < 60
