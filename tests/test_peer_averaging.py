@@ -6,43 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from averaging_cases import INNERS, LR, N_BYTES, flat, make_case
+from averaging_cases import train as train_workers
 from harness import n_workers, run_workers
 from jax import lax
 
-from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms import AxisCollective
 from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
 
 N = n_workers()
 STEPS = 3
 LONG = 7  # enough steps for the ring buffer of staleness 3 to wrap around twice
-LR = 0.1
-RNG = np.random.default_rng(0)
-# Different models per worker, so that every exchange shows in the values.
-P0 = {
-    "b": RNG.normal(size=(N, 3)).astype(np.float32),
-    "w": RNG.normal(size=(N, 2, 3)).astype(np.float32),
-}
-GRADS = {
-    "b": RNG.normal(size=(N, LONG, 3)).astype(np.float32),
-    "w": RNG.normal(size=(N, LONG, 2, 3)).astype(np.float32),
-}
-N_BYTES = 4 * (3 + 2 * 3)
-# name -> (optax inner, momentum, weight decay) for the oracle. Weight decay reads the
-# params, so it shows whether the inner update sees the model before or after averaging.
-INNERS = {
-    "sgd": (lambda: optax.sgd(LR), 0.0, 0.0),
-    "momentum_wd": (
-        lambda: optax.chain(optax.add_decayed_weights(0.5), optax.sgd(LR, momentum=0.9)),
-        0.9,
-        0.5,
-    ),
-}
-
-
-def flat(p):
-    """Param tree (leading axes allowed) -> vector in jax.tree.leaves order: b, then w."""
-    b, w = np.asarray(p["b"]), np.asarray(p["w"])
-    return np.concatenate([b, w.reshape(*w.shape[:-2], -1)], -1)
+P0, GRADS = make_case(seed=0, steps=LONG)
 
 
 def oracle(strategy, staleness, mu, wd, steps=STEPS, seed=0):
@@ -66,20 +41,7 @@ def oracle(strategy, staleness, mu, wd, steps=STEPS, seed=0):
 
 
 def train(make_tx, steps=STEPS):
-    def worker(coll, p0, grads):
-        tx = make_tx(coll)
-        state = tx.init(p0)
-
-        def body(carry, g):
-            p, s = carry
-            u, s = tx.update(g, s, p)
-            p = optax.apply_updates(p, u)
-            return (p, s), (p, wire_bytes(s))
-
-        (_, state), traj = lax.scan(body, (p0, state), grads)
-        return traj, state
-
-    return run_workers(worker, P0, jax.tree.map(lambda g: g[:, :steps], GRADS))
+    return train_workers(make_tx, P0, jax.tree.map(lambda g: g[:, :steps], GRADS))
 
 
 @pytest.mark.parametrize("size", range(2, 9))
@@ -254,7 +216,7 @@ def test_optimises_parabola_from_different_starts(strategy, staleness):
     # stop the local descent, and the workers must agree at the optimum.
     target = jnp.array([1.0, -1.0, 1.0])
     grad = jax.grad(lambda p: jnp.sum((p - target) ** 2))
-    starts = jnp.asarray(RNG.normal(size=(N, 3)) * 5, jnp.float32)
+    starts = jnp.asarray(np.random.default_rng(7).normal(size=(N, 3)) * 5, jnp.float32)
 
     def worker(coll, p):
         tx = peer_averaging(
