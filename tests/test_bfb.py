@@ -26,6 +26,7 @@ from shoal.comms import (
     wire_bytes,
 )
 from shoal.optim import bfb_allreduce
+from shoal.optim.bfb import server_bytes_per_step
 
 N = n_workers()
 RNG = np.random.default_rng(3)
@@ -55,6 +56,8 @@ def test_layout_by_hand():
     assert plan.segments[0] == ((4, 0, 11, 0), (3, 0, 1, 11))
     assert plan.segments[3] == ((0, 24, 35, 0), (2, 0, 1, 11))
     assert plan.segments[4] == ((2, 1, 3, 0),)
+    # A dedicated server gets one shard of every buffer from every worker: 4 x 68 bytes.
+    assert server_bytes_per_step(plan, num_workers=4) == 4 * (4 * 16 + 4)
     bufs = plan.fuse(TREE)
     assert [b.shape for b in bufs] == [(3, 4)] * 4 + [(3, 1)]
     np.testing.assert_array_equal(bufs[0].ravel(), np.r_[TREE["vec"], TREE["one"]])
@@ -242,8 +245,9 @@ JOB = Path(__file__).parent / "jobs" / "bfb_servers.py"
 
 @pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec job")
 def test_dedicated_servers():
-    """4 workers + 2 servers: flat and hierarchical means, wire bytes per worker and per
-    server, a clean shutdown (the job checks everything and exits 0)."""
+    """4 workers + 2 servers: flat and hierarchical means (float32 and bfloat16), wire
+    bytes per worker and per server, errors for layouts inconsistent with the
+    communicator, a clean shutdown (the job checks everything and exits 0)."""
     if mpiexec() is None:
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from shoal.comms import ParameterServers, plan_fusion
+from shoal.comms import AxisCollective, ParameterServers, plan_fusion
 from shoal.optim import bfb_allreduce
 
 SERVERS = {"check": 2, "orphan": 1}
@@ -64,6 +64,17 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
     check_close(u, mean(half, w))
 
     intra, inter = coll.split(LOCAL)
+    # Layouts inconsistent with the communicator: clear errors, before any traffic.
+    for bad, match in [
+        (dict(collective=inter, servers=ps), "worker ranks"),
+        (dict(collective=AxisCollective("w", w), servers=ps), "need MPI workers"),
+    ]:
+        try:
+            bfb_allreduce(**bad)
+        except ValueError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"no error for {bad}")
     hier = bfb_allreduce(collective=inter, intra=intra, servers=ps, buffer_bytes=40)
     u, s = jax.jit(lambda g: hier.update(g, hier.init(g)))(grads(rank, 5, w))
     check_close(u, mean(grads, w, 5))
@@ -95,6 +106,14 @@ def run_server(ps: ParameterServers, mode: str) -> None:
 
 
 def main(mode: str) -> None:
+    size = MPI.COMM_WORLD.Get_size()
+    for bad in (0, size):  # no server, or no worker left
+        try:
+            ParameterServers(bad)
+        except ValueError as e:
+            assert "num_servers" in str(e), e
+        else:
+            raise AssertionError(f"ParameterServers({bad}) accepted with {size} ranks")
     ps = ParameterServers(SERVERS[mode])
     try:
         (run_server if ps.is_server else run_worker)(ps, mode)
