@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/gtc_pack.py
 	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) $(PY) benchmarks/compressed_allreduce.py
 	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n 6 $(PY) benchmarks/bfb_allreduce.py --fused
+	$(PY) benchmarks/sim_workers.py
 
 # The longer experiments behind the README's results (minutes each on 2 cores).
 study: $(STAMP)
