@@ -8,6 +8,7 @@ from shoal.comms.compressed import (
     compressed_allreduce_init,
     compressed_allreduce_padded_size,
 )
+from shoal.comms.costmodel import Cluster, Event, Projection, project, step_comm_time
 from shoal.comms.fusion import (
     AtomicPlacement,
     FusionPlan,
@@ -18,6 +19,7 @@ from shoal.comms.fusion import (
 )
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
+from shoal.comms.recording import RecordingCollective, record_events
 from shoal.comms.servers import ParameterServers, ServerStats
 from shoal.comms.wire import WireCount, tree_nbytes, wire_bytes
 
@@ -25,10 +27,14 @@ __all__ = [
     "REDUCE_OPS",
     "AtomicPlacement",
     "AxisCollective",
+    "Cluster",
     "Collective",
+    "Event",
     "FusionPlan",
     "MPICollective",
     "ParameterServers",
+    "Projection",
+    "RecordingCollective",
     "ServerStats",
     "WireCount",
     "atomic_placement",
@@ -39,6 +45,9 @@ __all__ = [
     "compressed_allreduce_padded_size",
     "gradient_order",
     "plan_fusion",
+    "project",
+    "record_events",
+    "step_comm_time",
     "tree_nbytes",
     "two_tier",
     "wire_bytes",

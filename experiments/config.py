@@ -128,6 +128,12 @@ class Config:
     peer_staleness: int = 0
     sma_alpha: float = 0.1
     noise_ema: float = 0.9
+    # Cluster projection (`shoal.comms.costmodel`): when project_workers > 0, every run's
+    # collectives are replayed for that many workers and timed on the preset cluster
+    # project_cluster (its workers per node), plus one worker's compute time measured here.
+    project_workers: int = 0
+    project_cluster: str = "v100-nvlink-25gbps"
+
     # Closed-loop adaptation (`shoal.experiments.policies`, algorithm "adaptive"): every
     # policy_every steps the policy may change the synchronisation; "adaptive" exchanges all
     # gradients (monitoring the noise scale) until the median noise scale of the last
@@ -159,6 +165,16 @@ class Config:
         _check(0 <= self.noise_ema < 1, "noise_ema", "a float in [0, 1)")
         _check(self.policy_every >= 1, "policy_every", "an int >= 1")
         _check(self.policy_after >= 0, "policy_after", "an int >= 0")
+        _check(self.project_workers >= 0, "project_workers", "an int >= 0 (0: no projection)")
+        from shoal.comms.costmodel import PRESETS
+
+        _check(self.project_cluster in PRESETS, "project_cluster", f"one of {sorted(PRESETS)}")
+        per_node = PRESETS[self.project_cluster]["workers_per_node"]
+        _check(
+            self.project_workers % per_node == 0,
+            "project_workers",
+            f"a multiple of the {per_node} workers per node of {self.project_cluster!r}",
+        )
         _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
         _check(self.class_sep > 0, "class_sep", "a float > 0")
         _check(self.learning_rate > 0, "learning_rate", "a float > 0")

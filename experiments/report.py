@@ -40,20 +40,28 @@ SUMMARY_COLUMNS = (
     ("mb_sent", "MB sent/worker", "{:.3f}"),
     ("mb_received", "MB recv/worker", "{:.3f}"),
     ("density", "sent/elements", "{:.2%}"),
+    ("projected_ms", "projected step ms", "{:.2f}"),
     ("wall_s", "wall s", "{:.1f}"),
 )
+# Shown only when some run has them.
+OPTIONAL_COLUMNS = ("projected_ms",)
 PLOTS = ("loss_vs_step.png", "loss_vs_mb.png", "accuracy_vs_step.png")
 SAMPLES_PLOT = "test_loss_vs_samples.png"  # with a LAMB / 1-bit LAMB pair
 
 
 def summary_table(summaries: Sequence[dict[str, Any]]) -> str:
     """A markdown table, one row per algorithm."""
+    columns = [
+        c
+        for c in SUMMARY_COLUMNS
+        if c[0] not in OPTIONAL_COLUMNS or any(s.get(c[0]) is not None for s in summaries)
+    ]
     lines = [
-        "| " + " | ".join(h for _, h, _ in SUMMARY_COLUMNS) + " |",
-        "|" + "|".join("---" if k == "algorithm" else "---:" for k, _, _ in SUMMARY_COLUMNS) + "|",
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "|".join("---" if k == "algorithm" else "---:" for k, _, _ in columns) + "|",
     ]
     for s in summaries:
-        cells = ("-" if s.get(k) is None else f.format(s[k]) for k, _, f in SUMMARY_COLUMNS)
+        cells = ("-" if s.get(k) is None else f.format(s[k]) for k, _, f in columns)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -119,6 +127,34 @@ def policy_section(records: Sequence[dict[str, Any]]) -> str:
         return ""
     lines = [f"- `{r['algorithm']}` after step {r['step']}: `{r['policy']}`" for r in changes]
     return "\n## Policy changes\n\n" + "\n".join(lines) + "\n"
+
+
+def projection_section(cfg: Any, summaries: Sequence[dict[str, Any]]) -> str:
+    """How the projected step time was made, with each run's split and speed-up."""
+    rows = [s for s in summaries if s.get("projected_ms") is not None]
+    if not rows:
+        return ""
+    from shoal.experiments.projection import describe
+
+    base = next((s for s in rows if s["algorithm"] == "ssgd"), None)
+    lines = [
+        "| algorithm | compute ms | communication ms | step ms | speed-up vs ssgd |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for s in rows:
+        up = f"{base['projected_ms'] / s['projected_ms']:.2f}x" if base else "-"
+        cells = (s["algorithm"], f"{s['compute_ms']:.3f}", f"{s['projected_comm_ms']:.2f}",
+                 f"{s['projected_ms']:.2f}", up)  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return f"""
+## Projected to a cluster
+
+Step time on {describe(cfg)} (`shoal.comms.costmodel`): every step's collectives replayed
+for that many workers (`shoal.comms.record_events`) and timed with the alpha-beta model,
+plus one worker's forward and backward pass measured on this machine, with no overlap.
+
+{chr(10).join(lines)}
+"""
 
 
 def onebit_pair(cfg: Any) -> tuple[str, str] | None:
@@ -276,7 +312,8 @@ def write_run(
     plot_loss(paths[2], records, "step", "step")
     plot_loss(paths[3], records, "mb_sent", "MB sent per worker (cumulative)")
     plot_accuracy(paths[4], records)
-    extra = policy_section(records) + onebit_section(cfg, records, summaries)
+    extra = policy_section(records) + projection_section(cfg, summaries)
+    extra += onebit_section(cfg, records, summaries)
     if extra:
         paths.append(out / SAMPLES_PLOT)
         plot_test_vs_samples(paths[-1], cfg, records)

@@ -14,7 +14,7 @@ import optax
 from tqdm.auto import tqdm
 
 from shoal.comms import wire_bytes
-from shoal.experiments import algorithms, policies
+from shoal.experiments import algorithms, policies, projection
 from shoal.experiments.config import Config
 from shoal.optim.bmuf import BMUFState
 from shoal.optim.gtc import sent_fraction
@@ -123,6 +123,7 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
     policy_name = algorithms.ALGORITHMS[algorithms.parse_entry(algorithm)[0]].policy
     policy = policies.POLICIES[policy_name] if policy_name else None
     changes: dict[str, Any] = {}
+    policy_changes: list[tuple[int, dict[str, Any]]] = []
     start = time.perf_counter()
     params = spmd(from_root)(backend.replicate(task.init_params()))
     opt_state = spmd(tx.init)(params)
@@ -147,6 +148,7 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
             if decision:
                 # Rebuild with the new settings; keep params and what the new state can use.
                 changes.update(decision)
+                policy_changes.append((step, dict(decision)))
                 tx = algorithms.build(algorithm, cfg, comms, context, changes)
                 opt_state = carry_state(opt_state, spmd(tx.init)(params))
                 step_fn = spmd(make_step(task.loss, tx))
@@ -197,4 +199,6 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
             else None,
             "wall_s": wall,
         }
+        if cfg.project_workers:
+            summary.update(projection.project_run(cfg, algorithm, task, policy_changes))
     return RunResult(algorithm, records, summary, backend.stacked(params))

@@ -1,0 +1,171 @@
+"""Record what a transformation puts on the wire, step by step, without running workers.
+
+`RecordingCollective` is a stand-in `Collective` of any size for one process (no ``vmap``,
+no MPI): every call returns what worker 0 would receive if all workers held worker 0's
+values, and, when it executes, logs an `Event` ``(kind, group, nbytes)``. The log is
+written by a host callback at run time, so a ``lax.cond``/``lax.switch`` branch that is
+not taken logs nothing: `record_events` gives the real per-step sequence of collectives of
+BMUF's block steps, PGX's partitions or 1-bit LAMB's two stages, for any number of
+workers, at the cost of one worker's steps. `shoal.comms.costmodel` turns the sequence into
+time on a `Cluster`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from shoal.comms.collective import check_all_to_all, check_op, check_perm, check_root, check_size
+
+_LOGS: dict[int, list] = {}
+_LOCK = threading.Lock()
+_IDS = itertools.count()
+
+
+def _nbytes(x) -> int:
+    return int(np.prod(np.shape(x), dtype=np.int64)) * jnp.asarray(x).dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingCollective:
+    """``size`` identical workers seen from worker 0, in group ``group`` ("world",
+    "intra" or "inter"); events go to the log ``log`` (from `new_log`)."""
+
+    size: int
+    group: str = "world"
+    log: int = -1
+
+    def __post_init__(self):
+        check_size(self.size)
+        if self.group not in ("world", "intra", "inter"):
+            raise ValueError(f"group must be 'world', 'intra' or 'inter', got {self.group!r}")
+
+    def _emit(self, kind: str, nbytes: int) -> None:
+        if self.size > 1:  # one worker talks to nobody
+            event = (kind, self.group, int(nbytes), self.size)
+            jax.debug.callback(functools.partial(_append, self.log, event), ordered=True)
+
+    def rank(self) -> jax.Array:
+        return jnp.int32(0)
+
+    def all_reduce(self, tree: Any, op: str = "mean") -> Any:
+        check_op(op)
+        self._emit("all_reduce", sum(_nbytes(x) for x in jax.tree.leaves(tree)))
+        scale = self.size if op == "sum" else 1
+        return jax.tree.map(lambda x: x * scale if scale != 1 else x, tree)
+
+    def all_gather(self, x: jax.Array) -> jax.Array:
+        self._emit("all_gather", _nbytes(x))
+        return jnp.broadcast_to(x, (self.size, *jnp.shape(x)))
+
+    def all_to_all(self, x: jax.Array) -> jax.Array:
+        check_all_to_all(x, self.size)
+        self._emit("all_to_all", _nbytes(x))
+        return jnp.broadcast_to(x[0], x.shape)  # row 0 of every (identical) worker
+
+    def broadcast(self, tree: Any, root: int = 0) -> Any:
+        check_root(root, self.size)
+        self._emit("broadcast", sum(_nbytes(x) for x in jax.tree.leaves(tree)))
+        return tree
+
+    def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
+        pairs = check_perm(perm, self.size)
+        self._emit("ppermute", _nbytes(x))
+        return x if any(d == 0 for _, d in pairs) else jnp.zeros_like(x)
+
+    def split(self, group_size: int) -> tuple[RecordingCollective, RecordingCollective]:
+        from shoal.comms.groups import check_group_size
+
+        groups = check_group_size(self.size, group_size)
+        return (
+            RecordingCollective(group_size, "intra", self.log),
+            RecordingCollective(groups, "inter", self.log),
+        )
+
+
+def _append(log: int, event: tuple) -> None:
+    with _LOCK:
+        _LOGS.setdefault(log, []).append(event)
+
+
+def new_log() -> int:
+    """A fresh log id for `RecordingCollective`."""
+    log = next(_IDS)
+    _LOGS[log] = []
+    return log
+
+
+def take(log: int) -> list:
+    """The events logged so far (after `jax.effects_barrier`), emptying the log."""
+    jax.effects_barrier()
+    with _LOCK:
+        events, _LOGS[log] = _LOGS.get(log, []), []
+    return events
+
+
+_STEP = ("step",)  # marks the start of a step in the log
+
+
+def record_events(
+    make_tx: Callable[[Any], optax.GradientTransformation],
+    params: Any,
+    *,
+    workers: int,
+    steps: int,
+    group_size: int | None = None,
+    seed: int = 0,
+) -> list[list]:
+    """The collectives of ``steps`` updates of ``make_tx(comms)`` on ``workers`` workers:
+    one list of `shoal.comms.costmodel.Event` per step. ``comms`` is a world
+    `RecordingCollective`, or its ``(intra, inter)`` split when ``group_size`` is given.
+
+    The steps run in one jitted scan; the gradients are seeded normal noise of scale 0.01
+    (what a transformation sends may depend on values only through its capacities, which
+    are static). The log's callbacks are ordered, so each step's events follow its marker.
+    """
+    from shoal.comms.costmodel import Event
+
+    if steps <= 0:
+        return []
+    log = new_log()
+    world = RecordingCollective(workers, "world", log)
+    tx = make_tx(world if group_size is None else world.split(group_size))
+    key = jax.random.key(seed)
+
+    def step(carry, t):
+        params, state = carry
+        jax.debug.callback(functools.partial(_append, log, _STEP), ordered=True)
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.fold_in(key, t), len(leaves))
+        grads = jax.tree.unflatten(
+            treedef,
+            [0.01 * jax.random.normal(k, jnp.shape(p), jnp.result_type(p)) for k, p in
+             zip(keys, leaves)],
+        )  # fmt: skip
+        updates, state = tx.update(grads, state, params)
+        return (optax.apply_updates(params, updates), state), None
+
+    run = jax.jit(lambda p: lax.scan(step, (p, tx.init(p)), jnp.arange(steps))[0])
+    try:
+        jax.block_until_ready(run(params))
+        logged = take(log)
+    finally:
+        _LOGS.pop(log, None)
+    out: list[list] = []
+    for entry in logged:
+        if entry == _STEP:
+            out.append([])
+        else:
+            kind, group, nbytes, _ = entry
+            out[-1].append(Event(kind, group, nbytes))
+    return out

@@ -1,0 +1,95 @@
+"""Project a run to a cluster: the step time an algorithm would have on ``project_workers``
+workers of a preset `shoal.comms.Cluster`.
+
+The run's collectives are replayed step by step for that many workers
+(`shoal.comms.record_events`: one worker's steps with a recording stand-in collective, so
+only the branches taken are counted, and a policy's changes apply from the step after
+they were made), timed with `shoal.comms.step_comm_time`, and added to the compute time of
+one worker's step measured on this machine (forward and backward of one local batch; no
+overlap of compute and communication). The numbers answer "how would this algorithm's
+communication scale", not "how fast is this model on that cluster's GPUs".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from shoal.comms import Cluster, record_events, step_comm_time
+from shoal.comms.costmodel import PRESETS
+from shoal.experiments import algorithms
+from shoal.experiments.config import Config
+
+_COMPUTE: dict[int, float] = {}
+
+
+def target(cfg: Config) -> Cluster:
+    per_node = PRESETS[cfg.project_cluster]["workers_per_node"]
+    return Cluster.preset(cfg.project_cluster, cfg.project_workers // per_node)
+
+
+def describe(cfg: Config) -> str:
+    c = target(cfg)
+    return (
+        f"{c.workers} workers, {c.workers_per_node} per node, "
+        f"{c.inter_bandwidth * 8 / 1e9:g} Gbps between nodes ({c.name})"
+    )
+
+
+def _build(algorithm, cfg, context, changes, comms):
+    return algorithms.build(algorithm, cfg, comms, context, changes)
+
+
+def compute_seconds(task: Any) -> float:
+    """Median seconds of one worker's forward and backward pass on one local batch, here."""
+    key = id(task)
+    if key not in _COMPUTE:
+        x, y = task.batch(0, 1)
+        grad = jax.jit(jax.value_and_grad(task.loss))
+        params = task.init_params()
+        jax.block_until_ready(grad(params, x[0], y[0]))
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            jax.block_until_ready(grad(params, x[0], y[0]))
+            times.append(time.perf_counter() - start)
+        _COMPUTE[key] = float(np.median(times))
+    return _COMPUTE[key]
+
+
+def project_run(
+    cfg: Config, algorithm: str, task: Any, policy_changes: list[tuple[int, dict[str, Any]]]
+) -> dict[str, float]:
+    """``projected_ms`` (compute + communication per step, mean over the run),
+    ``projected_comm_ms`` and ``compute_ms`` of ``algorithm`` on `target` ``(cfg)``;
+    ``policy_changes`` are ``(step, changes)`` made after those steps."""
+    cluster = target(cfg)
+    big = dataclasses.replace(cfg, workers=cluster.workers)
+    group_size = algorithms.group_size(algorithm, big)
+    context = algorithms.BuildContext(task=task)
+    params = task.init_params()
+    bounds = [0, *(s for s, _ in policy_changes), cfg.steps]
+    changes: dict[str, Any] = {}
+    comm = []
+    for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        if i:
+            changes.update(policy_changes[i - 1][1])
+
+        make = functools.partial(_build, algorithm, big, context, dict(changes))
+
+        for events in record_events(
+            make, params, workers=cluster.workers, steps=stop - start, group_size=group_size
+        ):
+            comm.append(step_comm_time(events, cluster, group_size=group_size))
+    comm_s = float(np.mean(comm))
+    compute_s = compute_seconds(task)
+    return {
+        "projected_ms": 1e3 * (compute_s + comm_s),
+        "projected_comm_ms": 1e3 * comm_s,
+        "compute_ms": 1e3 * compute_s,
+    }

@@ -1,0 +1,70 @@
+"""Projecting a run to a cluster: per-step collectives replayed for many workers, timed by
+the cost model (whose formulas tests/test_costmodel.py checks by hand)."""
+
+from pathlib import Path
+
+import harness
+import pytest
+
+from shoal.comms import Cluster, Event, step_comm_time, tree_nbytes
+from shoal.comms.costmodel import ring_all_reduce
+from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.projection import project_run
+from shoal.experiments.tasks import GaussianMixtureTask
+from shoal.optim import pgx_partition
+
+pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process projection")
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
+CFG = apply_overrides(load_config(QUICKSTART), ["steps=20", "project_workers=64"])
+TASK = GaussianMixtureTask(CFG)
+N = tree_nbytes(TASK.init_params())
+CLUSTER = Cluster.preset("v100-nvlink-25gbps", 8)  # 64 workers
+
+
+def test_ssgd_is_one_ring_all_reduce_per_step():
+    got = project_run(CFG, "ssgd", TASK, [])
+    want = step_comm_time([Event("all_reduce", "world", N)], CLUSTER)
+    c = CLUSTER
+    # The model's flat ring over 64 workers is limited by the 25 Gbps link between nodes.
+    assert want == pytest.approx(ring_all_reduce(N, 64, c.inter_latency, 1 / c.inter_bandwidth,
+                                                 c.gamma))  # fmt: skip
+    assert got["projected_comm_ms"] == pytest.approx(1e3 * want)
+    assert got["projected_ms"] == pytest.approx(got["projected_comm_ms"] + got["compute_ms"])
+    assert 0 < got["compute_ms"] < 1e3
+
+
+def test_bmuf_pays_once_per_block():
+    block = CFG.block_size  # 10: steps 10 and 20 synchronise
+    got = project_run(CFG, "bmuf", TASK, [])
+    one = step_comm_time([Event("all_reduce", "world", N)], CLUSTER)
+    assert got["projected_comm_ms"] == pytest.approx(1e3 * one / block)
+
+
+def test_policy_changes_apply_from_the_next_step():
+    cfg = apply_overrides(CFG, ["adaptive_fraction=0.6"])
+    got = project_run(cfg, "adaptive", TASK, [(5, {"adaptive_sync": "partial"})])
+    sizes = _leaf_bytes()
+    bins = [sum(sizes[p] for p in b) for b in pgx_partition(TASK.init_params(), 0.6)]
+    part = [step_comm_time([Event("all_reduce", "world", bins[t % 2])], CLUSTER) for t in
+            range(15)]  # fmt: skip
+    # The noise scale's scalar is its own all-reduce: count it separately.
+    scalar = step_comm_time([Event("all_reduce", "world", 4)], CLUSTER)
+    full = step_comm_time([Event("all_reduce", "world", N)], CLUSTER) + scalar
+    assert got["projected_comm_ms"] == pytest.approx(1e3 * (5 * full + sum(part)) / 20)
+
+
+def _leaf_bytes():
+    import jax
+
+    return {
+        jax.tree_util.keystr(k): v.size * 4
+        for k, v in jax.tree_util.tree_leaves_with_path(TASK.init_params())
+    }
+
+
+def test_projection_settings_are_checked():
+    with pytest.raises(ConfigError, match="project_workers"):
+        apply_overrides(CFG, ["project_workers=12"])  # not whole nodes of 8
+    with pytest.raises(ConfigError, match="project_cluster"):
+        apply_overrides(CFG, ["project_cluster=nowhere"])
