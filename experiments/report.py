@@ -129,6 +129,51 @@ def policy_section(records: Sequence[dict[str, Any]]) -> str:
     return "\n## Policy changes\n\n" + "\n".join(lines) + "\n"
 
 
+def guide(summaries: Sequence[dict[str, Any]]) -> str:
+    """Each run against ``ssgd`` (when present): accuracy difference, bytes and projected
+    speed-up, best trade-offs first (the runs within one point of S-SGD's accuracy, by
+    bytes)."""
+    base = next((s for s in summaries if s["algorithm"] == "ssgd"), None)
+    if base is None or len(summaries) < 2:
+        return ""
+    rows = []
+    for s in summaries:
+        if s is base:
+            continue
+        acc = 100 * (s["test_accuracy"] - base["test_accuracy"])
+        less = base["mb_sent"] / s["mb_sent"] if s["mb_sent"] else float("inf")
+        line = f"`{s['algorithm']}`: {acc:+.1f} points of accuracy, {less:.1f}x fewer bytes"
+        if s.get("projected_ms") and base.get("projected_ms"):
+            line += f", {base['projected_ms'] / s['projected_ms']:.1f}x faster projected step"
+        rows.append((acc < -1.0, -less, line))
+    rows.sort()
+    close = [r for r in rows if not r[0]]
+    text = ["Against `ssgd` in this run (within one point of its accuracy first, by bytes):", ""]
+    text += [f"- {line}" for _, _, line in close]
+    if len(close) < len(rows):
+        text += ["", "Further than one point below `ssgd`:", ""]
+        text += [f"- {line}" for bad, _, line in rows if bad]
+    return "\n".join(text) + "\n"
+
+
+def write_report(path: Path, cfg: Any, summaries: Sequence[dict[str, Any]], *, command: str,
+                 extra: str = "") -> None:  # fmt: skip
+    """The one-page report: the table, the plots, the comparison with S-SGD."""
+    text = f"""# {cfg.name}: report
+
+`{command}`: {cfg.workers} workers, {cfg.steps} steps.
+
+{summary_table(summaries)}
+
+{guide(summaries)}
+![test accuracy vs step]({PLOTS[2]})
+![loss vs MB sent]({PLOTS[1]})
+{extra}
+Details, the config and per-step metrics: `summary.md`, `metrics.jsonl`.
+"""
+    path.write_text(text)
+
+
 def projection_section(cfg: Any, summaries: Sequence[dict[str, Any]]) -> str:
     """How the projected step time was made, with each run's split and speed-up."""
     rows = [s for s in summaries if s.get("projected_ms") is not None]
@@ -307,6 +352,7 @@ def write_run(
     a ``task`` with ``corpus_info()`` adds a data section."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / n for n in ("metrics.jsonl", "metrics.csv", *PLOTS, "summary.md")]
+    paths.append(out / "report.md")
     write_jsonl(paths[0], records)
     write_csv(paths[1], records)
     plot_loss(paths[2], records, "step", "step")
@@ -321,4 +367,6 @@ def write_run(
     if info is not None:
         extra += "\n## Data\n\n" + "\n".join(f"- {k}: {v}" for k, v in info().items()) + "\n"
     write_summary(paths[5], cfg, summaries, backend=backend, command=command, extra=extra)
+    write_report(paths[6], cfg, summaries, command=command,
+                 extra=projection_section(cfg, summaries))  # fmt: skip
     return paths
