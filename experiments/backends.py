@@ -1,6 +1,7 @@
-"""Where the workers live: simulated in this process (``vmap``) or one per MPI rank.
+"""Where the workers live: simulated in this process (``vmap``), one per MPI rank, or one
+per device of a ``jax.distributed`` job (``shard_map`` over a mesh of all processes' devices).
 
-Both backends expose the same small interface to the training loop:
+All backends expose the same small interface to the training loop:
 
 * ``collective``: what the algorithms communicate through;
 * ``two_tier(group_size)``: the ``(intra, inter)`` collectives of two-tier algorithms;
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shoal.comms import AxisCollective, MPICollective, ParameterServers
 
@@ -164,11 +167,146 @@ class MPIBackend:
         self._MPI.COMM_WORLD.Abort(code)
 
 
+class JaxBackend:
+    """One worker per device of a ``jax.distributed`` job, launched by ``mpiexec`` (its
+    cluster detection through mpi4py): gloo collectives on CPU (one device per process),
+    NCCL on GPU nodes (every local GPU a worker). The workers are the devices of a mesh
+    over all processes, in process order; per-worker functions run under ``shard_map``
+    and communicate through `AxisCollective` over the mesh axes.
+
+    Two tiers are a two-axis mesh ``("group", "member")`` of shape ``[size / group_size,
+    group_size]`` over the same devices: worker ``w`` is member ``w % group_size`` of group
+    ``w // group_size``, as in `SimBackend`, so consecutive devices (one node's GPUs) share
+    a group. Host values go between processes with mpi4py on a communicator of their own.
+    """
+
+    name = "jax"
+    servers = None
+    is_server = False
+
+    def __init__(self):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        if not jax.distributed.is_initialized():
+            # Must precede initialize; only the CPU client reads it, so harmless on GPUs.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(cluster_detection_method="mpi4py")
+        # ``rank`` is this process's index (the root is 0); the host communicator ranks
+        # processes in the same order, whoever initialised jax.distributed.
+        self.rank = jax.process_index()
+        self.comm = MPI.COMM_WORLD.Split(0, self.rank)
+        self.is_root = self.rank == 0
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.devices = np.array(devices)
+        self.size = len(devices)
+        self.local_ranks = tuple(w for w, d in enumerate(devices) if d.process_index == self.rank)
+        self.collective = AxisCollective(AXIS, self.size)
+        self._mesh = Mesh(self.devices, (AXIS,))
+
+    def two_tier(self, group_size: int) -> tuple[AxisCollective, AxisCollective]:
+        return self.collective.split(group_size)
+
+    def _layout(self, group_size: int | None) -> tuple[Mesh, P]:
+        if group_size is None:
+            return self._mesh, P(AXIS)
+        intra, inter = self.two_tier(group_size)
+        mesh = Mesh(
+            self.devices.reshape(inter.size, intra.size), (inter.axis_name, intra.axis_name)
+        )
+        return mesh, P((inter.axis_name, intra.axis_name))
+
+    def spmd(self, fn, group_size: int | None = None):
+        mesh, spec = self._layout(group_size)
+        sharding = NamedSharding(mesh, spec)
+
+        def per_worker(*args):
+            # Each shard is one worker's row: a leading block of size 1.
+            out = fn(*jax.tree.map(lambda a: a[0], args))
+            return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+
+        # check_vma=False: the collectives are written for vmap, where every value varies
+        # over the workers; e.g. a lax.cond whose one branch all-reduces must type-check.
+        mapped = jax.jit(
+            jax.shard_map(per_worker, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        )
+
+        def run(*args):
+            return mapped(*jax.tree.map(lambda a: self._global(a, sharding), args))
+
+        return run
+
+    def _global(self, a: Any, sharding: NamedSharding) -> jax.Array:
+        """A per-worker value as a global array: host rows of this process's workers, or an
+        earlier result (moved onto ``sharding``'s mesh without leaving the devices)."""
+        if isinstance(a, jax.Array) and a.sharding == sharding:
+            return a
+        if isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding):
+            if not a.sharding.is_equivalent_to(sharding, a.ndim):
+                raise ValueError(f"per-worker array with an unexpected sharding {a.sharding}")
+            by_device = {s.device: s.data for s in a.addressable_shards}
+            shards = [by_device[d] for d in sharding.addressable_devices_indices_map(a.shape)]
+            return jax.make_array_from_single_device_arrays(a.shape, sharding, shards)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(a))
+
+    def replicate(self, tree: Any) -> Any:
+        n = len(self.local_ranks)
+        return jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))), tree)
+
+    def local(self, per_worker: np.ndarray) -> np.ndarray:
+        """This process's rows of an array with a leading worker axis."""
+        return per_worker[list(self.local_ranks)]
+
+    def stacked(self, tree: Any) -> Any:
+        """This process's per-worker values, as NumPy, with a leading axis over
+        ``local_ranks``."""
+
+        def rows(a):
+            if not isinstance(a, jax.Array):
+                return np.asarray(a)
+            shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
+            return np.concatenate([np.asarray(s.data) for s in shards])
+
+        return jax.tree.map(rows, tree)
+
+    def gather(self, tree: Any) -> Any:
+        """``stacked`` values of all workers, leading axis ``size``, on the root (else None)."""
+        parts = self.comm.gather((self.local_ranks, jax.device_get(tree)), root=0)
+        if not self.is_root:
+            return None
+        order = np.argsort([w for ranks, _ in parts for w in ranks])
+        rows = jax.tree.map(lambda *xs: np.concatenate(xs), *[t for _, t in parts])
+        return jax.tree.map(lambda a: a[order], rows)
+
+    def share(self, obj: Any) -> Any:
+        """The root's host value ``obj`` on every process (a pickled broadcast)."""
+        return self.comm.bcast(obj, root=0)
+
+    def mean_params(self, params: Any) -> Any:
+        # Sum then divide, in float32, as the other backends do: this process's rows, then
+        # across processes to the root (evaluation is rare; the model comes to the host).
+        flat, unravel = ravel_pytree(jax.tree.map(lambda a: a.sum(0), self.stacked(params)))
+        flat = np.ascontiguousarray(np.asarray(flat))
+        total = np.empty_like(flat) if self.is_root else None
+        self.comm.Reduce(flat, total, op=self._MPI.SUM, root=0)
+        if not self.is_root:
+            return None
+        return unravel(jnp.asarray(total / np.float32(self.size)))
+
+    def abort(self, code: int = 1) -> None:
+        """Stop every process: one process's exception must not leave the others in a
+        collective."""
+        self._MPI.COMM_WORLD.Abort(code)
+
+
 def make_backend(name: str, workers: int | None = None, servers: int = 0):
-    """``"sim"`` with ``workers`` workers, or ``"mpi"`` (one worker per rank, the last
-    ``servers`` ranks dedicated parameter servers)."""
+    """``"sim"`` with ``workers`` workers, ``"mpi"`` (one worker per rank, the last
+    ``servers`` ranks dedicated parameter servers), or ``"jax"`` (one worker per device of
+    a ``jax.distributed`` job)."""
     if name == "sim":
         return SimBackend(workers)
     if name == "mpi":
         return MPIBackend(servers)
-    raise ValueError(f"backend must be 'sim' or 'mpi', got {name!r}")
+    if name == "jax":
+        return JaxBackend()
+    raise ValueError(f"backend must be 'sim', 'mpi' or 'jax', got {name!r}")

@@ -5,6 +5,7 @@ Usage::
     shoal-run experiments/configs/quickstart.py --workers 8
     shoal-run quickstart --set steps=500 algorithms=ssgd,gtc
     mpiexec -n 4 shoal-run quickstart --backend mpi
+    mpiexec -n 4 shoal-run quickstart --backend jax
     shoal-run experiments/configs/acoustic_study.py   # a Study: tables over worker counts
 """
 
@@ -44,13 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="override config fields, e.g. --set steps=500 algorithms=ssgd,gtc",
     )
     p.add_argument(
-        "--workers", type=int, help="number of workers (with --backend mpi: the MPI world size)"
+        "--workers",
+        type=int,
+        help="number of workers (with --backend mpi: the MPI world size; jax: the devices)",
     )
     p.add_argument(
         "--backend",
-        choices=("sim", "mpi"),
+        choices=("sim", "mpi", "jax"),
         default="sim",
-        help="sim: N workers in this process (vmap); mpi: one worker per rank under mpiexec",
+        help="sim: N workers in this process (vmap); mpi: one worker per rank under mpiexec; "
+        "jax: one worker per device of a jax.distributed job under mpiexec (shard_map)",
     )
     p.add_argument(
         "--servers",
@@ -116,7 +120,7 @@ def _setup_study(args, study: Study) -> Study:
     if args.backend != "sim" or args.workers is not None:
         raise ConfigError(
             "a study runs its own worker counts on simulated workers: drop --workers and "
-            "--backend mpi"
+            f"--backend {args.backend}"
         )
     fixed = [o for o in args.overrides if o.partition("=")[0].strip() in _STUDY_FIELDS]
     if fixed:
@@ -172,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.servers < 0 or (args.servers and args.backend != "mpi"):
         print("shoal-run: error: --servers S >= 1 needs --backend mpi", file=sys.stderr)
         return 2
-    # MPI must exist before the config is resolved: its world size is the worker count.
-    backend = make_backend("mpi", servers=args.servers) if args.backend == "mpi" else None
+    # MPI (or jax.distributed) must exist before the config is resolved: its world size is
+    # the worker count.
+    backend = None
+    if args.backend != "sim":
+        backend = make_backend(args.backend, servers=args.servers)
     if backend is not None and backend.is_server:
         return _serve(backend, args.server_timeout)
     try:
@@ -194,7 +201,7 @@ def _main(args, argv, backend) -> int:
             if args.overrides or args.workers is not None or args.backend != "sim":
                 raise ConfigError(
                     "an analysis computes on this host and has no settings: drop --set, "
-                    "--workers and --backend mpi"
+                    "--workers and --backend"
                 )
         else:
             cfg = _setup(args, backend, loaded)
@@ -211,6 +218,8 @@ def _main(args, argv, backend) -> int:
 
     if args.backend == "mpi":
         command = f"mpiexec -n {backend.size + args.servers} {command}"
+    elif args.backend == "jax":
+        command = f"mpiexec -n {backend.comm.Get_size()} {command}"
     if is_root:
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
@@ -221,7 +230,7 @@ def _main(args, argv, backend) -> int:
             for name in cfg.algorithms
         ]
     except BaseException:
-        if args.backend == "mpi" and backend.size > 1:
+        if args.backend != "sim" and backend.size > 1:
             traceback.print_exc()
             sys.stderr.flush()
             backend.abort(1)

@@ -1,0 +1,115 @@
+"""``--backend jax``: the quickstart on 4 ``jax.distributed`` processes (gloo on CPU, one
+device each) gives the simulated run's metrics, and the two-tier mesh lays the workers
+out as the simulation does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import harness
+import numpy as np
+import pytest
+
+from shoal.experiments.cli import main
+
+# Each test starts its own jax.distributed job under mpiexec.
+pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start their own MPI")
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
+WORKERS = 4
+STEPS = 12
+ALGORITHMS = ("ssgd", "gtc", "bmuf_gtc", "pgx")  # flat, sparse, two-tier, partial
+SMALL = ["--workers", str(WORKERS), "--no-progress", "--set", f"steps={STEPS}", "eval_every=5",
+         "algorithms=" + ",".join(ALGORITHMS), "group_size=2", "block_size=4"]  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    venv = Path(sys.executable).parent / "mpiexec"
+    exe = str(venv) if venv.exists() else shutil.which("mpiexec")
+    if exe is None:
+        pytest.skip("mpiexec not found")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [exe, "-n", str(WORKERS), sys.executable, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_jax_backend_matches_sim(tmp_path):
+    sim_out, jax_out = tmp_path / "sim", tmp_path / "jax"
+    assert main([str(QUICKSTART), *SMALL, "--out", str(sim_out)]) == 0
+    launch(["-m", "shoal.experiments.cli", str(QUICKSTART), "--backend", "jax", *SMALL,
+            "--out", str(jax_out)])  # fmt: skip
+    sim, dist = read_jsonl(sim_out / "metrics.jsonl"), read_jsonl(jax_out / "metrics.jsonl")
+    assert len(dist) == len(sim) == STEPS * len(ALGORITHMS)
+    np.testing.assert_allclose([r["loss"] for r in dist], [r["loss"] for r in sim], rtol=1e-5)
+    for key in ("test_loss", "test_accuracy"):
+        s = [r[key] for r in sim if key in r]
+        d = [r[key] for r in dist if key in r]
+        assert len(s) == len(d) == 3 * len(ALGORITHMS)  # steps 5, 10 and the last
+        np.testing.assert_allclose(d, s, rtol=1e-5, err_msg=key)
+    for key in ("algorithm", "step", "bytes_sent", "bytes_received", "mb_sent", "mb_received"):
+        assert [r[key] for r in dist] == [r[key] for r in sim], key
+    np.testing.assert_allclose(
+        [r["density"] for r in dist if "density" in r],
+        [r["density"] for r in sim if "density" in r],
+    )
+    summary = (jax_out / "summary.md").read_text()
+    assert "backend `jax`" in summary
+    assert f"mpiexec -n {WORKERS} shoal-run" in summary
+
+
+# Every process checks its own workers and prints OK; the root also checks the gathers.
+LAYOUT = textwrap.dedent("""
+    import numpy as np
+    from shoal.experiments.backends import make_backend
+
+    b = make_backend("jax")
+    assert b.size == 4 and b.local_ranks == (b.rank,), (b.size, b.local_ranks)
+    intra, inter = b.two_tier(2)
+
+    def ranks(w):
+        return (w, intra.rank(), inter.rank(), intra.all_reduce(w, "sum"),
+                inter.all_reduce(w, "sum"), intra.broadcast(inter.broadcast(w, 0), 0))
+
+    w = np.arange(4.0)
+    out = b.stacked(b.spmd(ranks, group_size=2)(b.local(w)))
+    expect = (w, w % 2, w // 2, np.repeat([0 + 1, 2 + 3], 2), np.tile([0 + 2, 1 + 3], 2),
+              np.zeros(4))
+    for got, want in zip(out, expect):
+        np.testing.assert_array_equal(got, want[list(b.local_ranks)])
+    # A two-tier result feeds a flat spmd (its arrays move to the other mesh in place).
+    grouped = b.spmd(lambda x: x * 2, group_size=2)(b.local(w))
+    total = b.stacked(b.spmd(lambda x: b.collective.all_reduce(x, "sum"))(grouped))
+    np.testing.assert_array_equal(total, [12.0])
+    shift = lambda p: {"a": p["a"] + b.collective.rank()}
+    params = b.spmd(shift)(b.replicate({"a": np.ones(3)}))
+    mean = b.mean_params(params)
+    gathered = b.gather(b.stacked(params))
+    if b.is_root:
+        np.testing.assert_allclose(mean["a"], np.full(3, 1 + 1.5))
+        np.testing.assert_array_equal(gathered["a"], 1 + np.arange(4.0)[:, None].repeat(3, 1))
+    else:
+        assert mean is None and gathered is None
+    assert b.share("root" if b.is_root else "other") == "root"
+    print("OK", b.rank, flush=True)
+""")
+
+
+def test_jax_backend_layout(tmp_path):
+    script = tmp_path / "layout.py"
+    script.write_text(LAYOUT)
+    proc = launch([str(script)], timeout=120)
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("OK")) == [
+        f"OK {r}" for r in range(WORKERS)
+    ]
