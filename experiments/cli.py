@@ -249,7 +249,7 @@ def _main(args, argv, backend) -> int:
         task=task,
     )
     print(summary_table(summaries))
-    print(f"wrote {out}/ (summary.md, metrics.jsonl, metrics.csv, {', '.join(PLOTS)})")
+    print(f"wrote {out}/ (report.md, summary.md, metrics.jsonl, metrics.csv, {', '.join(PLOTS)})")
     return 0
 
 
