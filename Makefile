@@ -12,7 +12,7 @@ export JAX_PLATFORMS ?= cpu
 MPI_RANKS ?= 4
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-mpi bench study lint clean venv
+.PHONY: run test test-sim test-nb test-mpi bench study lint clean venv
 
 venv: $(STAMP)
 
@@ -31,10 +31,14 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8
 
-test: test-sim test-mpi
+test: test-sim test-nb test-mpi
 
 test-sim: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The notebooks, executed top to bottom at a reduced size.
+test-nb: $(STAMP)
+	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake notebooks
 
 # Rank-agnostic tests again, one worker per MPI rank; the timeout turns a deadlock into a failure.
 test-mpi: $(STAMP)
