@@ -1205,7 +1205,6 @@ with 25 Gbps between nodes, for the quickstart MLP and for a model of BERT-large
 import os
 
 import jax
-import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
