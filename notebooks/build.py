@@ -1238,8 +1238,13 @@ def events_of(name, workers):
     big = cfg.__class__(**{**cfg.__dict__, "workers": workers})
     group = algorithms.group_size(name, big)
     ctx = algorithms.BuildContext(task=task)
-    steps = record_events(lambda c: algorithms.build(name, big, c, ctx), params,
-                          workers=workers, steps=STEPS, group_size=group)
+    steps = record_events(
+        lambda c: algorithms.build(name, big, c, ctx),
+        params,
+        workers=workers,
+        steps=STEPS,
+        group_size=group,
+    )
     return steps, group
 
 
@@ -1254,8 +1259,13 @@ small = {n: [comm_ms(*recorded[n, w], w) for w in SIZES] for n in NAMES}
 fig, ax = plt.subplots(figsize=(7, 4.2))
 for n in NAMES:
     ax.plot(SIZES, small[n], marker="o", label=n)
-ax.set(xscale="log", yscale="log", xlabel="workers (8 per node)",
-       ylabel="projected communication ms / step", title="quickstart MLP (27 KB)")
+ax.set(
+    xscale="log",
+    yscale="log",
+    xlabel="workers (8 per node)",
+    ylabel="projected communication ms / step",
+    title="quickstart MLP (27 KB)",
+)
 ax.legend(fontsize="small")
 ax.grid(True, which="both", alpha=0.3)
 """),
@@ -1279,8 +1289,13 @@ big = {n: [comm_ms(*recorded[n, w], w, scale) for w in SIZES] for n in NAMES}
 fig, ax = plt.subplots(figsize=(7, 4.2))
 for n in NAMES:
     ax.plot(SIZES, big[n], marker="o", label=n)
-ax.set(xscale="log", yscale="log", xlabel="workers (8 per node)",
-       ylabel="projected communication ms / step", title="the same, 340M parameters")
+ax.set(
+    xscale="log",
+    yscale="log",
+    xlabel="workers (8 per node)",
+    ylabel="projected communication ms / step",
+    title="the same, 340M parameters",
+)
 ax.legend(fontsize="small")
 ax.grid(True, which="both", alpha=0.3)
 """),
