@@ -113,8 +113,8 @@ def gradient_noise_scale(
       then reported as is (negative or non-finite), never clipped. Non-finite gradients
       propagate into the estimates (and stay in the EMAs).
 
-    Communication: the all-reduce of the gradient tree plus one all-reduce of a float32
-    scalar (each worker's squared norm); ``wire`` counts both.
+    Communication: one all-reduce of the gradient tree with one more float32 leaf (each
+    worker's squared norm); ``wire`` counts both.
 
     Args:
       collective: the workers to average over (`shoal.comms.Collective`), ``size >= 2``.
@@ -154,8 +154,9 @@ def gradient_noise_scale(
         del params, extra_args
         check_floating_leaves("updates", updates)
         local_sq = _sq_norm(updates)
-        updates = collective.all_reduce(updates, op="mean")
-        small_sq = collective.all_reduce(local_sq, op="mean")
+        # The squared norm rides in the gradient's all-reduce: no extra message, whose
+        # latency would double the exchange's on a large cluster.
+        updates, small_sq = collective.all_reduce((updates, local_sq), op="mean")
         big_sq = _sq_norm(updates)
 
         b = jnp.asarray(local_batch_size, jnp.float32)
@@ -170,9 +171,7 @@ def gradient_noise_scale(
         g2 = g2_ema / correction
         s = s_ema / correction
 
-        sent, received = all_reduce_bytes(tree_nbytes(updates), n)
-        s_sent, s_received = all_reduce_bytes(_SCALAR_BYTES, n)
-        wire = WireCount.of(sent + s_sent, received + s_received)
+        wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates) + _SCALAR_BYTES, n))
         new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, wire)
         return updates, new_state
 

@@ -77,8 +77,8 @@ def test_one_step_mean_estimates_and_wire_bytes():
     out = run_steps(0.9, GRADS, 1)
     g0 = step_grads(GRADS, 0)
     _, _, g2, s, ratio = oracle([flat(g0)], B, 0.9)
-    # gradient tree, then one float32 scalar, each a ring all-reduce of its own.
-    expect = 2 * (N - 1) * N_BYTES // N + 2 * (N - 1) * 4 // N
+    # one ring all-reduce of the gradient tree and one more float32 (the squared norm).
+    expect = 2 * (N - 1) * (N_BYTES + 4) // N
     for _, ([u], state) in out.items():
         for got, g in zip(jax.tree.leaves(u), jax.tree.leaves(g0)):
             np.testing.assert_allclose(got, g.mean(0), rtol=1e-6, atol=1e-7)

@@ -50,7 +50,13 @@ def test_carry_state_keeps_what_fits():
 def test_runner_switches_from_full_to_partial_exchange():
     cfg = apply_overrides(
         load_config(QUICKSTART),
-        [f"workers={WORKERS}", f"steps={STEPS}", f"policy_every={EVERY}", "noise_threshold=0"],
+        [
+            f"workers={WORKERS}",
+            f"steps={STEPS}",
+            f"policy_every={EVERY}",
+            "noise_threshold=0",
+            "policy_after=0",
+        ],  # fmt: skip
     )
     task = GaussianMixtureTask(cfg)
     result = train(cfg, task, SimBackend(WORKERS), "adaptive", progress=False)
@@ -65,7 +71,7 @@ def test_runner_switches_from_full_to_partial_exchange():
     # Oracle: the same two stages by hand, the local SGD state carried over the switch.
     params0 = task.init_params()
     n = tree_nbytes(params0)
-    full = 2 * (WORKERS - 1) * n // WORKERS + 2 * (WORKERS - 1) * 4 // WORKERS
+    full = 2 * (WORKERS - 1) * (n + 4) // WORKERS  # the gradient and its squared norm
     bins = pgx_partition(params0, cfg.adaptive_fraction)
     leaf_bytes = {
         jax.tree_util.keystr(k): v.size * 4 for k, v in jax.tree_util.tree_leaves_with_path(params0)

@@ -48,9 +48,8 @@ def test_policy_changes_apply_from_the_next_step():
     bins = [sum(sizes[p] for p in b) for b in pgx_partition(TASK.init_params(), 0.6)]
     part = [step_comm_time([Event("all_reduce", "world", bins[t % 2])], CLUSTER) for t in
             range(15)]  # fmt: skip
-    # The noise scale's scalar is its own all-reduce: count it separately.
-    scalar = step_comm_time([Event("all_reduce", "world", 4)], CLUSTER)
-    full = step_comm_time([Event("all_reduce", "world", N)], CLUSTER) + scalar
+    # The noise scale's squared norm rides in the gradient's all-reduce.
+    full = step_comm_time([Event("all_reduce", "world", N + 4)], CLUSTER)
     assert got["projected_comm_ms"] == pytest.approx(1e3 * (5 * full + sum(part)) / 20)
 
 

@@ -48,7 +48,7 @@ GROUP = 2  # two groups of two workers
 ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "adaptive")
 SETS = [f"steps={STEPS}", "eval_every=5", "algorithms=" + ",".join(ALGORITHMS),
         f"block_size={BLOCK}", f"group_size={GROUP}",
-        "policy_every=4", "noise_threshold=0"]  # fmt: skip
+        "policy_every=4", "noise_threshold=0", "policy_after=0"]  # fmt: skip
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
 
 

@@ -8,7 +8,9 @@ across them. ``steps`` is a multiple of ``block_size``, so the last step is a BM
 1-bit LAMB all-reduces densely for its first 30 steps (15%), then sends its momentum as
 signs: about 5.6x fewer bytes than S-SGD over the run. BFB reduces the gradient through
 balanced fusion buffers (here one buffer: the model is small); PGX averages one of two
-bins of leaves per step; peer averaging exchanges models with one peer per step.
+bins of leaves per step; peer averaging exchanges models with one peer per step; SMA pulls
+every model a tenth of the way to the mean; adaptive switches from S-SGD to PGX once the
+gradient noise scale passes a threshold.
 """
 
 from shoal.experiments.config import Config
@@ -17,7 +19,18 @@ from shoal.experiments.config import Config
 def get_config() -> Config:
     return Config(
         name="quickstart",
-        algorithms=("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer"),
+        algorithms=(
+            "ssgd",
+            "gtc",
+            "bmuf",
+            "bmuf_gtc",
+            "onebit_lamb",
+            "bfb",
+            "pgx",
+            "peer",
+            "sma",
+            "adaptive",
+        ),  # fmt: skip
         workers=8,
         steps=200,
         batch_size=32,
@@ -31,6 +44,10 @@ def get_config() -> Config:
         # The MLP's largest leaf is 59% of its gradient: PGX needs bins at least that big.
         pgx_fraction=0.6,
         adaptive_fraction=0.6,
+        # adaptive: S-SGD until the noise scale's median over 10 steps passes 250 (after
+        # step 100; it grows from ~150 to ~300 over this run), then PGX at 0.6.
+        noise_threshold=250.0,
+        policy_after=100,
         # The table's projected step time: 128 workers, 8 per node, 25 Gbps between nodes.
         project_workers=128,
     )
