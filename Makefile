@@ -45,11 +45,10 @@ test-mpi: $(STAMP)
 	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) \
 		$(PY) -m pytest -q -m mpi -p no:cacheprovider tests
 
+# Every benchmarks/*.py (how each is launched: LAUNCH in run_all.py), each with a timeout;
+# rewrites its generated block in BENCHMARKS.md. BENCH_ARGS: e.g. "--only gtc_pack", "--dry-run".
 bench: $(STAMP)
-	$(PY) benchmarks/gtc_pack.py
-	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) $(PY) benchmarks/compressed_allreduce.py
-	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n 6 $(PY) benchmarks/bfb_allreduce.py --fused
-	$(PY) benchmarks/sim_workers.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 # The longer experiments behind the README's results (minutes each on 2 cores).
 study: $(STAMP)
