@@ -26,7 +26,8 @@ WORKERS = 4
 STEPS = 12
 ALGORITHMS = ("ssgd", "gtc", "bmuf_gtc", "pgx")  # flat, sparse, two-tier, partial
 SMALL = ["--workers", str(WORKERS), "--no-progress", "--set", f"steps={STEPS}", "eval_every=5",
-         "algorithms=" + ",".join(ALGORITHMS), "group_size=2", "block_size=4"]  # fmt: skip
+         "algorithms=" + ",".join(ALGORITHMS), "group_size=2", "block_size=4",
+         "project_workers=0"]  # fmt: skip
 
 
 def read_jsonl(path: Path) -> list[dict]:

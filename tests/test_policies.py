@@ -56,6 +56,7 @@ def test_runner_switches_from_full_to_partial_exchange():
             f"policy_every={EVERY}",
             "noise_threshold=0",
             "policy_after=0",
+            "project_workers=0",
         ],  # fmt: skip
     )
     task = GaussianMixtureTask(cfg)
@@ -111,7 +112,13 @@ def test_runner_switches_from_full_to_partial_exchange():
 def test_no_switch_below_the_threshold():
     cfg = apply_overrides(
         load_config(QUICKSTART),
-        [f"workers={WORKERS}", "steps=6", "policy_every=2", "noise_threshold=1e12"],
+        [
+            f"workers={WORKERS}",
+            "steps=6",
+            "policy_every=2",
+            "noise_threshold=1e12",
+            "project_workers=0",
+        ],  # fmt: skip
     )
     recs = train(cfg, GaussianMixtureTask(cfg), SimBackend(WORKERS), "adaptive",
                  progress=False).records  # fmt: skip

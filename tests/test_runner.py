@@ -46,9 +46,17 @@ STEPS = 12
 BLOCK = 4
 GROUP = 2  # two groups of two workers
 ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "adaptive")
-SETS = [f"steps={STEPS}", "eval_every=5", "algorithms=" + ",".join(ALGORITHMS),
-        f"block_size={BLOCK}", f"group_size={GROUP}",
-        "policy_every=4", "noise_threshold=0", "policy_after=0"]  # fmt: skip
+SETS = [
+    f"steps={STEPS}",
+    "eval_every=5",
+    "algorithms=" + ",".join(ALGORITHMS),
+    f"block_size={BLOCK}",
+    f"group_size={GROUP}",
+    "policy_every=4",
+    "noise_threshold=0",
+    "policy_after=0",
+    "project_workers=0",
+]  # fmt: skip  (tests/test_projection.py covers the projection)
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
 
 
@@ -141,7 +149,8 @@ def test_dedicated_parameter_servers(sim_run, tmp_path):
     servers = 2
     cmd = [exe, "-n", str(WORKERS + servers), sys.executable, "-m", "shoal.experiments.cli",
            str(QUICKSTART), "--backend", "mpi", "--servers", str(servers), "--no-progress",
-           "--set", *SETS[:2], "algorithms=ssgd,bfb", "--out", str(tmp_path)]  # fmt: skip
+           "--set", *SETS[:2], "algorithms=ssgd,bfb", "project_workers=0",
+           "--out", str(tmp_path)]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
