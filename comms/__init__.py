@@ -1,5 +1,6 @@
 """shoal.comms: who talks to whom, and how many bytes cross the wire."""
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.axis import AxisCollective
 from shoal.comms.collective import REDUCE_OPS, Collective
 from shoal.comms.compressed import (
@@ -39,6 +40,7 @@ __all__ = [
     "WireCount",
     "atomic_placement",
     "broadcast_order",
+    "check_same_structure",
     "compressed_allreduce",
     "compressed_allreduce_bytes",
     "compressed_allreduce_init",

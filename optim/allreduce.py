@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import optax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
 from shoal.optim.validation import check_collective
@@ -28,6 +29,7 @@ def allreduce_gradients(*, collective: Collective) -> optax.GradientTransformati
     check_collective(collective)
 
     def init_fn(params: Any) -> AllReduceState:
+        check_same_structure(params, collective)
         del params
         return AllReduceState(wire=WireCount.zero())
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
 from shoal.comms.mpi import MPICollective
@@ -87,6 +88,9 @@ def bfb_allreduce(
                 order = broadcast_order(order, tier)
 
     def init_fn(params: Any) -> BFBState:
+        for tier in (intra, collective):
+            if tier is not None:
+                check_same_structure(params, tier)
         del params
         return BFBState(wire=WireCount.zero())
 

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
 from shoal.optim.validation import (
@@ -191,6 +192,7 @@ def block_update_filtering(
     two_buffers = nesterov and nbm == "chen_huo"
 
     def init_fn(params):
+        check_same_structure(params, collective)
         check_floating_leaves("params", params)
         return BMUFState(
             inner_state=local.init(params),

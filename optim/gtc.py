@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
@@ -115,6 +116,7 @@ def gtc(
         return sizes, n
 
     def init_fn(params):
+        check_same_structure(params, collective)
         check_floating_leaves("params", params)
         layout(params)
         residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)

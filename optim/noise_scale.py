@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
 from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
@@ -138,6 +139,7 @@ def gradient_noise_scale(
         )
 
     def init_fn(params: Any) -> NoiseScaleState:
+        check_same_structure(params, collective)
         del params
         zero = jnp.zeros((), jnp.float32)
         return NoiseScaleState(

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.compressed import (
     compressed_allreduce,
@@ -220,6 +221,7 @@ def onebit_adam(
     size = collective.size
 
     def init_fn(params):
+        check_same_structure(params, collective)
         check_floating_leaves("params", params)
         _check_mask(momentum_mask, params)
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
@@ -365,6 +367,7 @@ def onebit_lamb(
     size = collective.size
 
     def init_fn(params):
+        check_same_structure(params, collective)
         check_floating_leaves("params", params)
         _check_mask(momentum_mask, params)
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)

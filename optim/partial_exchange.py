@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes
 from shoal.optim.validation import check_collective, check_floating_leaves
@@ -110,6 +111,7 @@ def partial_exchange(
     n_workers = collective.size
 
     def init_fn(params):
+        check_same_structure(params, collective)
         del params
         return PartialExchangeState(
             step=jnp.zeros((), jnp.int32),

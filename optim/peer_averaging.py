@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, tree_nbytes
 from shoal.optim.validation import check_collective, check_floating_leaves
@@ -135,6 +136,7 @@ def peer_averaging(
     pick = functools.partial(_perm_index, strategy, size, int(seed))
 
     def init_fn(params):
+        check_same_structure(params, collective)
         check_floating_leaves("params", params)
         history = None
         if staleness:

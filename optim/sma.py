@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
 from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
@@ -76,6 +77,7 @@ def sma(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
+        check_same_structure(params, collective)
         check_floating_leaves("params", params)
         return SMAState(inner_state=inner.init(params), wire=WireCount.zero())
 
