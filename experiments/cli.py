@@ -21,6 +21,7 @@ from pathlib import Path
 from shoal.experiments import algorithms
 from shoal.experiments.analysis import Analysis, run_analysis
 from shoal.experiments.backends import make_backend
+from shoal.experiments.checkpoint import Checkpointer, CheckpointError
 from shoal.experiments.config import Config, ConfigError, apply_overrides, load_file
 from shoal.experiments.report import PLOTS, summary_table, write_run
 from shoal.experiments.study import Study, run_study
@@ -72,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="a parameter server that hears nothing from the workers this long aborts the job",
     )
     p.add_argument("--out", type=Path, help="output folder (default: runs/<config name>)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints in <out>/checkpoints/: finished algorithms are "
+        "skipped, the interrupted one continues exactly where it stopped",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="STEPS",
+        help="train at most STEPS steps in this invocation (all algorithms together), save a "
+        "checkpoint and exit without a report; continue with --resume",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -176,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.servers < 0 or (args.servers and args.backend != "mpi"):
         print("shoal-run: error: --servers S >= 1 needs --backend mpi", file=sys.stderr)
         return 2
+    if args.stop_after is not None and args.stop_after < 1:
+        print("shoal-run: error: --stop-after must be >= 1", file=sys.stderr)
+        return 2
     # MPI (or jax.distributed) must exist before the config is resolved: its world size is
     # the worker count.
     backend = None
@@ -223,12 +240,29 @@ def _main(args, argv, backend) -> int:
     if is_root:
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
+    out = args.out or Path("runs") / cfg.name
+    # Checkpoints only when asked for: periodically, or to stop and resume.
+    checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
     try:
         task = make_task(cfg)
-        results = [
-            train(cfg, task, backend, name, progress=not args.no_progress)
-            for name in cfg.algorithms
-        ]
+        results = []
+        budget = args.stop_after
+        for name in cfg.algorithms:
+            ckpt = Checkpointer(out / "checkpoints", name, cfg, backend) if checkpointing else None
+            result = train(cfg, task, backend, name, progress=not args.no_progress,
+                           checkpoints=ckpt, resume=args.resume, max_steps=budget)  # fmt: skip
+            results.append(result)
+            if budget is not None:
+                budget -= result.trained
+            if not result.finished:
+                if is_root:
+                    print(f"stopped {name} at step {result.step} of {cfg.steps}; "
+                          f"continue with --resume")  # fmt: skip
+                return 0
+    except CheckpointError as e:
+        if is_root:
+            print(f"shoal-run: error: {e}", file=sys.stderr)
+        return 2
     except BaseException:
         if args.backend != "sim" and backend.size > 1:
             traceback.print_exc()
@@ -237,7 +271,6 @@ def _main(args, argv, backend) -> int:
         raise
     if not is_root:
         return 0
-    out = args.out or Path("runs") / cfg.name
     summaries = [r.summary for r in results]
     write_run(
         out,

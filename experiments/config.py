@@ -145,6 +145,10 @@ class Config:
     adaptive_fraction: float = 0.1
     adaptive_sync: Literal["full", "partial"] = "full"
 
+    # Checkpoints (`shoal.experiments.checkpoint`): every checkpoint_every steps (0: none
+    # periodically; a run that checkpoints also saves when it stops), resumed with --resume.
+    checkpoint_every: int = 0
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -165,6 +169,7 @@ class Config:
         _check(0 <= self.noise_ema < 1, "noise_ema", "a float in [0, 1)")
         _check(self.policy_every >= 1, "policy_every", "an int >= 1")
         _check(self.policy_after >= 0, "policy_after", "an int >= 0")
+        _check(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
         _check(self.project_workers >= 0, "project_workers", "an int >= 0 (0: no projection)")
         from shoal.comms.costmodel import PRESETS
 

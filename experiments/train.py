@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from typing import Any
 
@@ -14,7 +15,8 @@ import optax
 from tqdm.auto import tqdm
 
 from shoal.comms import wire_bytes
-from shoal.experiments import algorithms, policies, projection
+from shoal.experiments import algorithms, checkpoint, policies, projection
+from shoal.experiments.checkpoint import Checkpointer
 from shoal.experiments.config import Config
 from shoal.optim.bmuf import BMUFState
 from shoal.optim.gtc import sent_fraction
@@ -29,13 +31,18 @@ class RunResult:
 
     ``records`` (one dict per step) and ``summary`` exist on the root process only.
     ``params`` are the final parameters of this process's workers, stacked on a
-    leading axis (all workers for ``sim``, this rank's for ``mpi``).
+    leading axis (all workers for ``sim``, this rank's for ``mpi``). ``finished`` is False
+    when the run stopped early (``max_steps``) after step ``step``; it continues with
+    ``resume``. ``trained`` counts the steps this call ran.
     """
 
     algorithm: str
     records: list[dict[str, Any]]
     summary: dict[str, Any] | None
     params: Any
+    finished: bool = True
+    step: int = 0
+    trained: int = 0
 
 
 def make_step(loss_fn, tx: optax.GradientTransformation):
@@ -98,7 +105,17 @@ def _per_worker(values: np.ndarray) -> int | float:
     return int(values[0]) if np.all(values == values[0]) else float(values.mean())
 
 
-def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) -> RunResult:
+def train(
+    cfg: Config,
+    task,
+    backend,
+    algorithm: str,
+    *,
+    progress: bool = True,
+    checkpoints: Checkpointer | None = None,
+    resume: bool = False,
+    max_steps: int | None = None,
+) -> RunResult:
     """Train ``algorithm`` for ``cfg.steps`` steps on ``backend``'s workers.
 
     Every worker starts from rank 0's initial parameters (broadcast). The recorded
@@ -108,6 +125,11 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
 
     A two-tier algorithm (`algorithms.group_size` not None) gets ``(intra, inter)``
     from ``backend.two_tier`` and runs under ``backend.spmd(..., group_size=...)``.
+
+    With ``checkpoints``, the run saves every ``cfg.checkpoint_every`` steps, when it
+    stops and at the end; with ``resume`` it continues from the newest good checkpoint
+    (a finished run is returned as saved). ``max_steps`` stops after that many steps of
+    this call (``finished`` is then False).
     """
     group_size = algorithms.group_size(algorithm, cfg)
     if group_size is None:
@@ -127,13 +149,53 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
     start = time.perf_counter()
     params = spmd(from_root)(backend.replicate(task.init_params()))
     opt_state = spmd(tx.init)(params)
-    step_fn = spmd(make_step(task.loss, tx))
 
     sent_total = np.zeros(backend.size, np.int64)
     received_total = np.zeros(backend.size, np.int64)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=cfg.steps, desc=algorithm, disable=not (progress and backend.is_root))
-    for step in range(1, cfg.steps + 1):
+    first = 1
+    saved = checkpoints.load() if checkpoints is not None and resume else None
+    if saved is not None:
+        policy_changes = [(s, d) for s, d in json.loads(saved["policy_changes"])]
+        for _, decision in policy_changes:
+            changes.update(decision)
+        if changes:
+            tx = algorithms.build(algorithm, cfg, comms, context, changes)
+            opt_state = spmd(tx.init)(params)
+        state = checkpoint.unpack(saved, backend.stacked(params), backend.stacked(opt_state))
+        params, opt_state = _unstacked(backend, state["params"], state["opt_state"])
+        sent_total, received_total = state["sent_total"], state["received_total"]
+        records = state["records"]
+        start -= state["elapsed"]
+        first = state["step"] + 1
+        if state["finished"]:
+            summary = state["summary"] if backend.is_root else None
+            return RunResult(algorithm, records, summary, state["params"], step=cfg.steps)
+        checkpoints.remove(newer_than=state["step"])  # stale ones, past a corrupt newest
+    elif checkpoints is not None:
+        checkpoints.remove()  # a fresh run: no old run's checkpoint may mix in
+    step_fn = spmd(make_step(task.loss, tx))
+
+    def save(step: int, finished: bool = False, summary: dict[str, Any] | None = None) -> None:
+        state = checkpoint.pack(
+            step=step,
+            params=backend.stacked(params),
+            opt_state=backend.stacked(opt_state),
+            sent_total=sent_total,
+            received_total=received_total,
+            records=records,
+            policy_changes=policy_changes,
+            elapsed=time.perf_counter() - start,
+            seed=cfg.seed,
+            finished=finished,
+            summary=summary,
+        )
+        checkpoints.save(step, state)
+
+    stop = cfg.steps if max_steps is None else min(cfg.steps, first - 1 + max_steps)
+    bar = tqdm(total=cfg.steps, initial=first - 1, desc=algorithm,
+               disable=not (progress and backend.is_root))  # fmt: skip
+    for step in range(first, stop + 1):
         x, y = task.batch(step - 1, backend.size)
         params, opt_state, metrics = step_fn(params, opt_state, backend.local(x), backend.local(y))
         gathered = backend.gather(backend.stacked(metrics))
@@ -152,34 +214,40 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
                 tx = algorithms.build(algorithm, cfg, comms, context, changes)
                 opt_state = carry_state(opt_state, spmd(tx.init)(params))
                 step_fn = spmd(make_step(task.loss, tx))
-        if not backend.is_root:
-            continue
-        loss, sent, received, density, noise = gathered
-        sent_total += sent.astype(np.int64)
-        received_total += received.astype(np.int64)
-        rec = {
-            "algorithm": algorithm,
-            "step": step,
-            "loss": float(np.mean(loss, dtype=np.float64)),
-            "bytes_sent": _per_worker(sent),
-            "bytes_received": _per_worker(received),
-            "mb_sent": float(sent_total.mean() / MB),
-            "mb_received": float(received_total.mean() / MB),
-        }
-        if not np.isnan(density).any():
-            rec["density"] = float(np.mean(density, dtype=np.float64))
-        if not np.isnan(noise).all():
-            rec["noise_scale"] = float(np.mean(noise, dtype=np.float64))
-        if decision:
-            rec["policy"] = policies.describe(decision)
-        if evaluate:
-            rec["test_loss"], rec["test_accuracy"] = task.evaluate(avg)
-        rec["time_s"] = time.perf_counter() - start
-        records.append(rec)
-        bar.update(1)
-        if evaluate or step % 10 == 0:
-            bar.set_postfix({"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"})
+        if backend.is_root:
+            loss, sent, received, density, noise = gathered
+            sent_total += sent.astype(np.int64)
+            received_total += received.astype(np.int64)
+            rec = {
+                "algorithm": algorithm,
+                "step": step,
+                "loss": float(np.mean(loss, dtype=np.float64)),
+                "bytes_sent": _per_worker(sent),
+                "bytes_received": _per_worker(received),
+                "mb_sent": float(sent_total.mean() / MB),
+                "mb_received": float(received_total.mean() / MB),
+            }
+            if not np.isnan(density).any():
+                rec["density"] = float(np.mean(density, dtype=np.float64))
+            if not np.isnan(noise).all():
+                rec["noise_scale"] = float(np.mean(noise, dtype=np.float64))
+            if decision:
+                rec["policy"] = policies.describe(decision)
+            if evaluate:
+                rec["test_loss"], rec["test_accuracy"] = task.evaluate(avg)
+            rec["time_s"] = time.perf_counter() - start
+            records.append(rec)
+            bar.update(1)
+            if evaluate or step % 10 == 0:
+                postfix = {"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"}
+                bar.set_postfix(postfix)
+        periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if checkpoints is not None and step < cfg.steps and (periodic or step == stop):
+            save(step)
     bar.close()
+    if stop < cfg.steps:
+        return RunResult(algorithm, records, None, backend.stacked(params), finished=False,
+                         step=stop, trained=stop - first + 1)  # fmt: skip
     wall = time.perf_counter() - start
 
     summary = None
@@ -201,4 +269,15 @@ def train(cfg: Config, task, backend, algorithm: str, *, progress: bool = True) 
         }
         if cfg.project_workers:
             summary.update(projection.project_run(cfg, algorithm, task, policy_changes))
-    return RunResult(algorithm, records, summary, backend.stacked(params))
+    if checkpoints is not None:
+        save(cfg.steps, finished=True, summary=summary)
+    return RunResult(algorithm, records, summary, backend.stacked(params), step=cfg.steps,
+                     trained=cfg.steps - first + 1)  # fmt: skip
+
+
+def _unstacked(backend, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    """``stacked`` (host) values back in the layout ``backend.spmd`` functions take: one
+    MPI worker per process has no worker axis."""
+    if backend.name == "mpi":
+        return jax.tree.map(lambda a: a[0], (params, opt_state))
+    return params, opt_state

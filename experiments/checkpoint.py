@@ -1,0 +1,313 @@
+"""Exact checkpoints of one algorithm's run: save every K steps, verify, resume.
+
+A checkpoint is everything the training loop needs to continue as if it had never
+stopped: the parameters and the whole optimizer state of this process's workers (residuals,
+error feedback, block momentum, variances, counters, wire counters), the step (which is
+also the data position: batches are a pure function of the step and the seed), the host
+byte totals, the records so far, the policy changes made so far and, once the run ended,
+its summary. The batches' RNG is seeded by ``(seed, epoch)`` and the algorithms' own
+randomness by the step, so the step and the config's seed are the whole RNG state.
+
+Layout: ``<out>/checkpoints/<algorithm>/step_<N>.<rank>.msgpack`` (flax msgpack of a state
+dict) with a JSON sidecar ``step_<N>.<rank>.json`` holding the payload's sha256, its size
+and the metadata (algorithm entry, step, workers, backend, config). One pair per process
+(every MPI rank its own; in simulation one process holds all stacked workers). Both files
+are written under a temporary name in the same folder, fsynced and renamed, payload first:
+the sidecar commits the checkpoint, so a crash while saving leaves at worst an
+unreferenced payload, which never loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import serialization
+
+from shoal.experiments.config import Config, flatten
+
+FORMAT = 1
+KEEP = 2
+# Fields that may change between a run and its resumption without changing the training.
+IGNORED_FIELDS = frozenset({"name", "algorithms", "checkpoint_every"})
+_NAME = re.compile(r"step_(\d+)\.(\d+)\.json$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: corrupt, or from an incompatible run."""
+
+
+def config_fields(cfg: Config) -> dict[str, str]:
+    """The fields that must match for a checkpoint to resume, in their ``--set`` spelling."""
+    return {k: v for k, v in flatten(cfg) if k.split(".")[0] not in IGNORED_FIELDS}
+
+
+def fingerprint(fields: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def folder_name(algorithm: str) -> str:
+    """A file-system safe folder name for an algorithm entry (entries may carry overrides)."""
+    return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", algorithm)
+
+
+def _is_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _host_leaves(tree: Any) -> tuple[dict[str, np.ndarray], str]:
+    leaves, treedef = jax.tree.flatten(tree)
+    out = {}
+    for i, leaf in enumerate(leaves):
+        if _is_key(leaf):
+            leaf = jax.random.key_data(leaf)
+        out[str(i)] = np.asarray(jax.device_get(leaf))
+    return out, str(treedef)
+
+
+def _restore_leaves(target: Any, saved: dict[str, np.ndarray], treedef: str, what: str) -> Any:
+    """``saved`` leaves in ``target``'s structure, checked leaf by leaf."""
+    leaves, target_def = jax.tree.flatten(target)
+    if str(target_def) != treedef or len(saved) != len(leaves):
+        raise CheckpointError(f"the saved {what} has a different structure than this run's")
+    out = []
+    for i, leaf in enumerate(leaves):
+        value = saved[str(i)]
+        if _is_key(leaf):
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
+        elif value.shape != np.shape(leaf) or value.dtype != np.asarray(leaf).dtype:
+            raise CheckpointError(
+                f"the saved {what} leaf {i} is {value.dtype}{list(value.shape)}, "
+                f"this run's is {np.asarray(leaf).dtype}{list(np.shape(leaf))}"
+            )
+        out.append(value)
+    return jax.tree.unflatten(target_def, out)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The renames are durable only once the folder's entries are.
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Saves and finds the checkpoints of one algorithm on one process.
+
+    ``meta`` identifies the run (algorithm, workers, backend, config); `load` refuses a
+    checkpoint whose workers or config differ. ``comm`` (an mpi4py communicator, or None
+    for a single process) makes every process agree on the step they resume from.
+    """
+
+    def __init__(self, root: Path, algorithm: str, cfg: Config, backend: Any):
+        self.folder = Path(root) / folder_name(algorithm)
+        self.rank = int(getattr(backend, "rank", 0))
+        self.comm = getattr(backend, "comm", None)
+        self.every = cfg.checkpoint_every
+        fields = config_fields(cfg)
+        self.meta = {
+            "format": FORMAT,
+            "algorithm": algorithm,
+            "workers": cfg.workers,
+            "backend": backend.name,
+            "rank": self.rank,
+            "config_fingerprint": fingerprint(fields),
+            "config": fields,
+        }
+
+    def path(self, step: int, suffix: str = "msgpack") -> Path:
+        return self.folder / f"step_{step}.{self.rank}.{suffix}"
+
+    def steps(self) -> list[int]:
+        """Steps with a committed (sidecar present) checkpoint of this process, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = [_NAME.match(p.name) for p in self.folder.iterdir()]
+        return sorted((int(m[1]) for m in found if m and int(m[2]) == self.rank), reverse=True)
+
+    def remove(self, newer_than: int = -1) -> None:
+        """Delete this process's checkpoints after step ``newer_than`` (all by default)."""
+        for step in self.steps():
+            if step > newer_than:
+                self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        # Sidecar first: without it the payload is never read.
+        for suffix in ("json", "msgpack"):
+            self.path(step, suffix).unlink(missing_ok=True)
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` (see `pack`) as step ``step``; keep the latest `KEEP` ones."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        payload = serialization.msgpack_serialize({"meta": {**self.meta, "step": step}, **state})
+        sidecar = {
+            **self.meta,
+            "step": step,
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "bytes": len(payload),
+        }
+        _write_atomic(self.path(step), payload)
+        _write_atomic(self.path(step, "json"), json.dumps(sidecar, indent=1).encode())
+        _fsync_dir(self.folder)
+        for old in self.steps()[KEEP:]:
+            self._delete(old)
+        return self.path(step)
+
+    def _read(self, step: int) -> dict[str, Any]:
+        """The verified state of ``step``; `CheckpointError` naming the file if it is bad."""
+        side, path = self.path(step, "json"), self.path(step)
+        try:
+            meta = json.loads(side.read_text())
+            data = path.read_bytes()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"unreadable checkpoint {path}: {e}") from None
+        if len(data) != meta.get("bytes") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            raise CheckpointError(
+                f"corrupt checkpoint {path}: {len(data)} bytes, checksum does not match "
+                f"its sidecar (truncated or overwritten)"
+            )
+        try:
+            state = serialization.msgpack_restore(data)
+        except Exception as e:  # msgpack raises several types; all mean "cannot decode"
+            raise CheckpointError(f"corrupt checkpoint {path}: msgpack: {e}") from None
+        if state.get("meta", {}).get("step") != step:
+            raise CheckpointError(f"corrupt checkpoint {path}: it says step {meta.get('step')}")
+        return state
+
+    def check_compatible(self, step: int) -> None:
+        """Refuse a checkpoint of a different run (workers, backend layout or config)."""
+        try:
+            saved = json.loads(self.path(step, "json").read_text())
+        except (OSError, ValueError):
+            return  # reported as corrupt by `_read`
+        name = self.path(step)
+        if saved.get("algorithm") != self.meta["algorithm"]:
+            raise CheckpointError(f"{name} is of algorithm {saved.get('algorithm')!r}")
+        if saved.get("workers") != self.meta["workers"]:
+            raise CheckpointError(
+                f"cannot resume {self.meta['algorithm']} with {self.meta['workers']} workers: "
+                f"its checkpoint {name} has {saved.get('workers')} (resume with "
+                f"--workers {saved.get('workers')})"
+            )
+        if saved.get("backend") != self.meta["backend"]:
+            raise CheckpointError(
+                f"cannot resume {self.meta['algorithm']} on backend {self.meta['backend']!r}: "
+                f"its checkpoint {name} is from {saved.get('backend')!r}"
+            )
+        old, new = saved.get("config", {}), self.meta["config"]
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                raise CheckpointError(
+                    f"cannot resume {self.meta['algorithm']}: config field {key!r} is "
+                    f"{new.get(key)} now but {old.get(key)} in its checkpoint {name}"
+                )
+
+    def load(self) -> dict[str, Any] | None:
+        """The newest checkpoint that is good on every process, or None if there is none
+        at all. A bad one is reported on stderr and the previous one used; if checkpoints
+        exist but none is good everywhere, raises `CheckpointError` naming the files."""
+        steps = self.steps()
+        if steps:
+            self.check_compatible(steps[0])
+        good, states, problems = [], {}, []
+        for step in steps:
+            try:
+                states[step] = self._read(step)
+                good.append(step)
+            except CheckpointError as e:
+                problems.append(str(e))
+        if self.comm is not None:
+            everyone = self.comm.allgather((bool(steps), good, problems))
+        else:
+            everyone = [(bool(steps), good, problems)]
+        if not any(found for found, _, _ in everyone):
+            return None
+        common = set.intersection(*(set(g) for _, g, _ in everyone))
+        all_problems = [p for _, _, ps in everyone for p in ps]
+        if not common:
+            raise CheckpointError(
+                "no good checkpoint to resume from: " + "; ".join(all_problems or ["none saved"])
+            )
+        step = max(common)
+        if self.rank == 0:
+            for p in all_problems:
+                print(f"shoal-run: warning: {p}", file=sys.stderr)
+            if step != max(max(g, default=-1) for _, g, _ in everyone) or all_problems:
+                print(
+                    f"shoal-run: resuming {self.meta['algorithm']} from the previous good "
+                    f"checkpoint, step {step}",
+                    file=sys.stderr,
+                )
+        return states[step]
+
+
+def pack(
+    *,
+    step: int,
+    params: Any,
+    opt_state: Any,
+    sent_total: np.ndarray,
+    received_total: np.ndarray,
+    records: list[dict[str, Any]],
+    policy_changes: list[tuple[int, dict[str, Any]]],
+    elapsed: float,
+    seed: int,
+    finished: bool,
+    summary: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The state dict of a checkpoint; ``params`` and ``opt_state`` in ``stacked`` layout
+    (a leading axis over this process's workers). Records, policy changes and summary go
+    as JSON text: it round-trips Python floats exactly and keeps their types."""
+    p_leaves, p_def = _host_leaves(params)
+    o_leaves, o_def = _host_leaves(opt_state)
+    return {
+        "step": step,
+        "params": p_leaves,
+        "opt_state": o_leaves,
+        "treedefs": {"params": p_def, "opt_state": o_def},
+        "sent_total": np.asarray(sent_total, np.int64),
+        "received_total": np.asarray(received_total, np.int64),
+        "records": json.dumps(records),
+        "policy_changes": json.dumps(policy_changes),
+        "summary": json.dumps(summary),
+        # Batches are a pure function of (seed, step): this is the data position and RNG.
+        "data": {"next_step": step, "seed": seed},
+        "elapsed": float(elapsed),
+        "finished": finished,
+    }
+
+
+def unpack(state: dict[str, Any], params: Any, opt_state: Any) -> dict[str, Any]:
+    """`pack`'s fields back, ``params`` and ``opt_state`` restored into the structures of
+    the given (freshly initialised, ``stacked`` layout) ones."""
+    out = dict(state)
+    out["params"] = _restore_leaves(params, state["params"], state["treedefs"]["params"], "params")
+    out["opt_state"] = _restore_leaves(
+        opt_state, state["opt_state"], state["treedefs"]["opt_state"], "optimizer state"
+    )
+    # Writable copies: the loop adds to the totals in place.
+    out["sent_total"] = np.array(state["sent_total"], np.int64)
+    out["received_total"] = np.array(state["received_total"], np.int64)
+    out["records"] = json.loads(state["records"])
+    out["policy_changes"] = [(s, d) for s, d in json.loads(state["policy_changes"])]
+    out["summary"] = json.loads(state["summary"])
+    return out

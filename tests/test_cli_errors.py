@@ -1,0 +1,114 @@
+"""``shoal-run`` configuration and command-line errors: exit status 2 and exactly one line
+on stderr, ``shoal-run: error: ...`` naming the bad key or value, never a traceback.
+
+In-process through `cli.main` (fast), plus a few end-to-end runs of the console script in
+a subprocess, where an uncaught exception would really print a traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shoal.experiments.cli import main
+
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py")
+PREFIX = "shoal-run: error:"
+
+# (argv after the config, words the error line must contain)
+CASES = {
+    "unknown key": (["--set", "stepz=5"], ["'stepz'", "did you mean 'steps'"]),
+    "unknown nested entry key": (["--set", "algorithms=gtc[foo=1]"], ["'foo'"]),
+    "malformed --set": (["--set", "steps"], ["key=value", "'steps'"]),
+    "wrong type int": (["--set", "steps=abc"], ["steps", "'abc'", "int"]),
+    "wrong type float in entry": (
+        ["--set", "algorithms=gtc[gtc_threshold=abc]"],
+        ["gtc_threshold", "'abc'", "float"],
+    ),
+    "wrong type bool": (["--set", "nesterov=maybe"], ["nesterov", "'maybe'"]),
+    "not a choice": (["--set", "task=foo"], ["task", "'foo'", "mixture"]),
+    "invalid value": (["--set", "steps=0"], ["steps=0", "'steps'", ">= 1"]),
+    "invalid float range": (["--set", "gtc_capacity=2"], ["gtc_capacity", "(0, 1]"]),
+    "unknown algorithm": (["--set", "algorithms=nope"], ["'nope'", "registered"]),
+    "group_size does not divide workers": (
+        ["--set", "algorithms=bmuf_gtc", "group_size=3", "--workers", "4"],
+        ["bmuf_gtc", "group_size = 3", "workers 4"],
+    ),
+    "entry group_size does not divide workers": (
+        ["--set", "algorithms=bmuf_gtc[group_size=3]", "--workers", "4"],
+        ["bmuf_gtc[group_size=3]", "group_size = 3", "workers 4"],
+    ),
+    "peer needs two workers": (
+        ["--set", "algorithms=peer", "--workers", "1"],
+        ["peer", "at least 2 workers"],
+    ),
+    "zero workers": (["--workers", "0"], ["--workers", "0"]),
+    "zero workers via --set": (["--set", "workers=0"], ["workers=0", "'workers'"]),
+    "servers without mpi": (["--servers", "2"], ["--servers", "--backend mpi"]),
+}
+
+
+def run_main(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, out, err, words):
+    assert "Traceback" not in out + err
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(PREFIX), lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_error_is_one_line(name, capsys, tmp_path):
+    args, words = CASES[name]
+    code, out, err = run_main([QUICKSTART, *args, "--out", str(tmp_path / "run")], capsys)
+    assert_one_line_error(code, out, err, words)
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
+
+
+def test_missing_config_file_is_one_line(capsys, tmp_path):
+    missing = str(tmp_path / "nope.py")
+    code, out, err = run_main([missing], capsys)
+    assert_one_line_error(code, out, err, [missing, "not found"])
+
+
+def test_study_rejects_workers_in_one_line(capsys):
+    code, out, err = run_main(["acoustic_study", "--workers", "4"], capsys)
+    assert_one_line_error(code, out, err, ["study", "--workers"])
+
+
+def test_argparse_type_error_names_the_option(capsys):
+    """argparse's own errors (``--workers abc``) print the usage first, then one
+    ``shoal-run: error:`` line: exit status 2, no traceback."""
+    code, out, err = run_main([QUICKSTART, "--workers", "abc"], capsys)
+    assert code == 2 and "Traceback" not in out + err
+    assert err.startswith("usage: shoal-run")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(PREFIX) and "--workers" in last and "'abc'" in last
+
+
+@pytest.mark.parametrize(
+    "name", ["unknown key", "wrong type int", "group_size does not divide workers"]
+)
+def test_console_script_prints_no_traceback(name, tmp_path):
+    args, words = CASES[name]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.experiments.cli", QUICKSTART, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, words)
+    assert not (tmp_path / "runs").exists()
