@@ -16,16 +16,16 @@ JOB = Path(__file__).parent / "jobs" / "mismatch.py"
 
 
 @pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec job")
-def test_mismatched_workers_are_refused_at_init():
+def test_mismatched_workers_are_refused_at_init(tmp_path):
     exe = Path(sys.executable).parent / "mpiexec"
     if not exe.exists():
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([str(exe), "-n", "2", sys.executable, str(JOB)], capture_output=True,
-                          text=True, timeout=120, env=env)  # fmt: skip
+    cmd = [str(exe), "-n", "2", sys.executable, str(JOB), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for rank in (0, 1):
-        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"rank {rank}: refused"))
+        line = (tmp_path / f"refused.{rank}").read_text()
         want = "leaf 1 ['b']: worker 0 has shape (3,) float32, worker 1 has shape (3,) float16"
         assert want in line, line
 

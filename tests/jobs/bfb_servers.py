@@ -7,6 +7,7 @@ servers check the bytes they moved; every rank prints "<role> ok".
 the server must give up (timeout 2 s) and abort the job.
 """
 
+import os
 import sys
 import traceback
 
@@ -92,6 +93,7 @@ def run_server(ps: ParameterServers, mode: str) -> None:
     except TimeoutError as e:
         print(f"server {ps.comm.Get_rank()}: {e}", file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(3)
+        os._exit(3)  # Abort may return before the process is killed
     w, s = ps.num_workers, ps.num_servers
     g = grads(0, 0, w)
     flat = plan_fusion(g, buffer_bytes=40, num_shards=s)

@@ -30,4 +30,6 @@ for make, p, want in [
     else:
         print(f"rank {rank}: no error", file=sys.stderr)
         MPI.COMM_WORLD.Abort(1)
-print(f"rank {rank}: refused: {msg}", flush=True)
+# One file per rank: mpiexec may interleave the ranks' stdout.
+with open(f"{sys.argv[1]}/refused.{rank}", "w") as f:
+    f.write(msg)
