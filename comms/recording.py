@@ -21,19 +21,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from shoal.comms.collective import check_all_to_all, check_op, check_perm, check_root, check_size
+from shoal.comms.wire import tree_nbytes
 
 _LOGS: dict[int, list] = {}
 _LOCK = threading.Lock()
 _IDS = itertools.count()
-
-
-def _nbytes(x) -> int:
-    return int(np.prod(np.shape(x), dtype=np.int64)) * jnp.asarray(x).dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,27 +56,27 @@ class RecordingCollective:
 
     def all_reduce(self, tree: Any, op: str = "mean") -> Any:
         check_op(op)
-        self._emit("all_reduce", sum(_nbytes(x) for x in jax.tree.leaves(tree)))
+        self._emit("all_reduce", tree_nbytes(tree))
         scale = self.size if op == "sum" else 1
         return jax.tree.map(lambda x: x * scale if scale != 1 else x, tree)
 
     def all_gather(self, x: jax.Array) -> jax.Array:
-        self._emit("all_gather", _nbytes(x))
+        self._emit("all_gather", tree_nbytes(x))
         return jnp.broadcast_to(x, (self.size, *jnp.shape(x)))
 
     def all_to_all(self, x: jax.Array) -> jax.Array:
         check_all_to_all(x, self.size)
-        self._emit("all_to_all", _nbytes(x))
+        self._emit("all_to_all", tree_nbytes(x))
         return jnp.broadcast_to(x[0], x.shape)  # row 0 of every (identical) worker
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         check_root(root, self.size)
-        self._emit("broadcast", sum(_nbytes(x) for x in jax.tree.leaves(tree)))
+        self._emit("broadcast", tree_nbytes(tree))
         return tree
 
     def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
         pairs = check_perm(perm, self.size)
-        self._emit("ppermute", _nbytes(x))
+        self._emit("ppermute", tree_nbytes(x))
         return x if any(d == 0 for _, d in pairs) else jnp.zeros_like(x)
 
     def split(self, group_size: int) -> tuple[RecordingCollective, RecordingCollective]:

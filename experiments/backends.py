@@ -154,13 +154,7 @@ class MPIBackend:
         return self.comm.bcast(obj, root=0)
 
     def mean_params(self, params: Any) -> Any:
-        flat, unravel = ravel_pytree(params)
-        flat = np.ascontiguousarray(np.asarray(flat))
-        total = np.empty_like(flat) if self.is_root else None
-        self.comm.Reduce(flat, total, op=self._MPI.SUM, root=0)
-        if not self.is_root:
-            return None
-        return unravel(jnp.asarray(total / np.float32(self.size)))
+        return _mean_at_root(self, params)
 
     def abort(self, code: int = 1) -> None:
         """Stop every rank: one rank's exception must not leave the others in a collective."""
@@ -285,18 +279,24 @@ class JaxBackend:
     def mean_params(self, params: Any) -> Any:
         # Sum then divide, in float32, as the other backends do: this process's rows, then
         # across processes to the root (evaluation is rare; the model comes to the host).
-        flat, unravel = ravel_pytree(jax.tree.map(lambda a: a.sum(0), self.stacked(params)))
-        flat = np.ascontiguousarray(np.asarray(flat))
-        total = np.empty_like(flat) if self.is_root else None
-        self.comm.Reduce(flat, total, op=self._MPI.SUM, root=0)
-        if not self.is_root:
-            return None
-        return unravel(jnp.asarray(total / np.float32(self.size)))
+        return _mean_at_root(self, jax.tree.map(lambda a: a.sum(0), self.stacked(params)))
 
     def abort(self, code: int = 1) -> None:
         """Stop every process: one process's exception must not leave the others in a
         collective."""
         self._MPI.COMM_WORLD.Abort(code)
+
+
+def _mean_at_root(backend, local_sum: Any) -> Any:
+    """The mean over all workers at the root (None elsewhere): this process's sum of its
+    workers' values, summed across processes in float32 with one ``Reduce``, then divided."""
+    flat, unravel = ravel_pytree(local_sum)
+    flat = np.ascontiguousarray(np.asarray(flat))
+    total = np.empty_like(flat) if backend.is_root else None
+    backend.comm.Reduce(flat, total, op=backend._MPI.SUM, root=0)
+    if not backend.is_root:
+        return None
+    return unravel(jnp.asarray(total / np.float32(backend.size)))
 
 
 def make_backend(name: str, workers: int | None = None, servers: int = 0):

@@ -35,7 +35,7 @@ from jax import lax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes
+from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
 from shoal.optim.validation import check_collective, check_floating_leaves
 
 __all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
@@ -125,7 +125,7 @@ def partial_exchange(
         check_floating_leaves("updates", updates)
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [x for _, x in with_paths]
-        nbytes = [_nbytes(x) for x in leaves]
+        nbytes = [tree_nbytes(x) for x in leaves]
         paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
 
         def branch(bin_leaves):
@@ -184,7 +184,8 @@ def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], .
     fraction = _check_fraction("budget_fraction", budget_fraction)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    bins = _first_fit_decreasing([_nbytes(x) for _, x in flat], paths, fraction, "budget_fraction")
+    sizes = [tree_nbytes(x) for _, x in flat]
+    bins = _first_fit_decreasing(sizes, paths, fraction, "budget_fraction")
     return tuple(tuple(paths[i] for i in b) for b in bins)
 
 
@@ -225,12 +226,6 @@ def _smallest_fraction(leaf_bytes: int, total: int) -> float:
     while f > 0 and math.floor(math.nextafter(f, 0.0) * total) >= leaf_bytes:
         f = math.nextafter(f, 0.0)
     return f
-
-
-def _nbytes(x: Any) -> int:
-    if not hasattr(x, "dtype"):
-        x = jnp.asarray(x)
-    return np.dtype(x.dtype).itemsize * math.prod(x.shape)
 
 
 def _check_fraction(name: str, value: Any) -> float:
