@@ -62,6 +62,10 @@ GROUPS = ("world", "intra", "inter")
 ALL_REDUCE_ALGORITHMS = ("ring", "rabenseifner", "tree", "hierarchical")
 PS_ALGORITHMS = ("pipelined", "naive")
 
+# bytes: all-reduces up to this size are latency-bound and use recursive doubling whatever
+# the algorithm asked for (MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE default; NCCL likewise
+# switches to its low-latency tree protocol for small messages).
+SHORT_ALL_REDUCE = 2048
 JUMBO_FRAME = 9000  # bytes: Herring's pipelining segment (one Ethernet jumbo frame)
 
 
@@ -139,6 +143,21 @@ def rabenseifner_all_reduce(
     n, p, alpha, beta, gamma = _check(n, p, alpha, beta, gamma)
     f = (p - 1) / p
     return 2 * _log2_rounds(p) * alpha + 2 * f * n * beta + f * n * gamma
+
+
+def recursive_doubling_all_reduce(
+    n: float, p: int, alpha: float, beta: float, gamma: float = 0.0
+) -> float:
+    """Recursive-doubling all-reduce (Thakur et al. 2005, section 4.4, short messages)::
+
+        T = log2(p) (alpha + n beta + n gamma).
+
+    In round ``k`` each worker swaps its whole partial result with the worker ``2^k``
+    away and adds what it received; after ``log2 p`` rounds all hold the total. Used for
+    every all-reduce of at most `SHORT_ALL_REDUCE` bytes (e.g. a flag or a scalar).
+    """
+    n, p, alpha, beta, gamma = _check(n, p, alpha, beta, gamma)
+    return _log2_rounds(p) * (alpha + n * beta + n * gamma)
 
 
 def tree_all_reduce(n: float, p: int, alpha: float, beta: float, gamma: float = 0.0) -> float:
@@ -558,6 +577,8 @@ def event_time(
     # Hierarchical schemes need whole nodes: "world", or "intra" groups of whole nodes.
     whole_nodes = spans and event.group != "inter" and p % wpn == 0
     if event.kind == "all_reduce":
+        if n <= SHORT_ALL_REDUCE:
+            return recursive_doubling_all_reduce(n, p, a, b, c)
         if all_reduce == "hierarchical" and whole_nodes:
             return hierarchical_all_reduce(n, p // wpn, wpn, cluster.intra, cluster.inter, c)
         formula = {
@@ -602,7 +623,8 @@ def step_comm_time(
     Algorithms: all_reduce is ``"ring"`` (default; NCCL's bandwidth-optimal choice for large
     buffers and shoal's wire accounting), ``"rabenseifner"``, ``"tree"`` or
     ``"hierarchical"`` (intra reduce-scatter + inter all-reduce + intra all-gather, for a
-    group of whole nodes). A "ps" event (parameter servers, as many server nodes as worker
+    group of whole nodes); an all-reduce of at most `SHORT_ALL_REDUCE` bytes is
+    latency-bound and always takes `recursive_doubling_all_reduce`. A "ps" event (parameter servers, as many server nodes as worker
     nodes) is Herring's scheme on a group of whole nodes (intra reduce-scatter, node <->
     servers, intra all-gather; `hierarchical_ps`), else the flat formula; ``ps`` picks
     ``"pipelined"`` (Herring) or ``"naive"``. A group of one worker costs nothing, except

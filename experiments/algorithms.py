@@ -11,11 +11,14 @@ gets a `BuildContext` (the task, the dedicated parameter servers). To add an alg
     @register("gtc")
     def gtc(cfg, collective):
         return optax.chain(
-            shoal.optim.gtc(cfg.gtc_threshold, collective=collective), local_sgd(cfg)
+            shoal.optim.gtc(cfg.gtc_threshold, collective=collective, nonfinite=None),
+            local_sgd(cfg),
         )
 
 and give `Config` (or the config file's subclass of it) typed fields for its
-hyper-parameters, so that ``--set gtc_threshold=0.01`` works. ``register(..., check=f)``
+hyper-parameters, so that ``--set gtc_threshold=0.01`` works. `build` wraps whatever a
+builder returns in `shoal.optim.skip_nonfinite` (one non-finite check for the whole
+chain, as ``cfg.nonfinite`` says), hence ``nonfinite=None`` inside. ``register(..., check=f)``
 adds ``f(cfg)``, which raises `ConfigError` for settings the algorithm cannot run; it is
 called before any training.
 
@@ -45,6 +48,7 @@ from shoal.optim import (
     onebit_lamb,
     partial_exchange,
     peer_averaging,
+    skip_nonfinite,
     sma,
 )
 
@@ -157,8 +161,14 @@ def build(
     algo = ALGORITHMS[parse_entry(entry)[0]]
     sub = dataclasses.replace(entry_config(entry, cfg), **(changes or {}))
     if algo.context:
-        return algo.build(sub, comms, context or BuildContext())
-    return algo.build(sub, comms)
+        tx = algo.build(sub, comms, context or BuildContext())
+    else:
+        tx = algo.build(sub, comms)
+    if sub.nonfinite == "off":
+        return tx
+    # One flag for the whole chain, so a skipped step moves no momentum either; the
+    # builders make their shoal transformations with nonfinite=None.
+    return skip_nonfinite(tx, collective=comms, nonfinite=sub.nonfinite)
 
 
 def local_sgd(cfg: Config) -> optax.GradientTransformation:
@@ -170,14 +180,15 @@ def local_sgd(cfg: Config) -> optax.GradientTransformation:
 @register("ssgd")
 def ssgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous SGD: all-reduce (mean) the gradients every step, then `local_sgd`."""
-    return optax.chain(allreduce_gradients(collective=collective), local_sgd(cfg))
+    return optax.chain(allreduce_gradients(collective=collective, nonfinite=None), local_sgd(cfg))
 
 
 @register("gtc")
 def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""
     return optax.chain(
-        gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity), local_sgd(cfg)
+        gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity, nonfinite=None),
+        local_sgd(cfg),
     )
 
 
@@ -198,6 +209,7 @@ def bfb(cfg: Config, collective: Any, context: BuildContext) -> optax.GradientTr
         buffer_bytes=cfg.bfb_buffer_bytes or None,
         servers=context.servers,
         order=order,
+        nonfinite=None,
     )
     return optax.chain(reduce, local_sgd(cfg))
 
@@ -244,6 +256,7 @@ def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
         nbm=cfg.nbm,
         warmup_steps=cfg.warmup_steps,
         reset_inner_state=cfg.reset_inner_state,
+        nonfinite=None,
     )
 
 
@@ -265,6 +278,7 @@ def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransform
         nesterov=cfg.nesterov,
         nbm=cfg.nbm,
         reset_inner_state=cfg.reset_inner_state,
+        nonfinite=None,
     )
 
 
@@ -303,6 +317,7 @@ def _lamb(cfg: Config, collective: Any, freeze: int) -> optax.GradientTransforma
         b1=cfg.lamb_b1,
         b2=cfg.lamb_b2,
         weight_decay=cfg.weight_decay,
+        nonfinite=None,
     )
 
 
@@ -334,7 +349,9 @@ def pgx(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's partial gradient exchange (`shoal.optim.partial_exchange`): one bin of
     ``pgx_fraction`` of the gradient bytes averaged per step, round robin, then
     `local_sgd`."""
-    return optax.chain(partial_exchange(cfg.pgx_fraction, collective=collective), local_sgd(cfg))
+    return optax.chain(
+        partial_exchange(cfg.pgx_fraction, collective=collective, nonfinite=None), local_sgd(cfg)
+    )
 
 
 def _check_peers(cfg: Config) -> None:
@@ -353,6 +370,7 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
         strategy=cfg.peer_strategy,
         staleness=cfg.peer_staleness,
         seed=cfg.seed,
+        nonfinite=None,
     )
 
 
@@ -360,7 +378,7 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
 def sma_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous model averaging (`shoal.optim.sma`) around `local_sgd`: every step
     ``v <- (1 - sma_alpha) v + sma_alpha mean(v)``, then the local update."""
-    return sma(local_sgd(cfg), collective=collective, alpha=cfg.sma_alpha)
+    return sma(local_sgd(cfg), collective=collective, alpha=cfg.sma_alpha, nonfinite=None)
 
 
 @register("ssgd_noise")
@@ -369,7 +387,10 @@ def ssgd_noise(cfg: Config, collective: Any) -> optax.GradientTransformation:
     (`shoal.optim.gradient_noise_scale`, logged as ``noise_scale``), then `local_sgd`."""
     return optax.chain(
         gradient_noise_scale(
-            collective=collective, local_batch_size=cfg.batch_size, ema=cfg.noise_ema
+            collective=collective,
+            local_batch_size=cfg.batch_size,
+            ema=cfg.noise_ema,
+            nonfinite=None,
         ),
         local_sgd(cfg),
     )

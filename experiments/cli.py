@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import shlex
 import sys
 import traceback
@@ -27,6 +28,7 @@ from shoal.experiments.report import PLOTS, summary_table, write_run
 from shoal.experiments.study import Study, run_study
 from shoal.experiments.tasks import make_task
 from shoal.experiments.train import train
+from shoal.optim.nonfinite import NonFiniteGradientError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +187,19 @@ def _main_analysis(args, analysis: Analysis) -> int:
     return 0
 
 
+class _QuietNonFinite(logging.Filter):
+    """JAX logs every exception raised inside a debug callback, with its traceback; the
+    runner reports the non-finite policy's own error in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], NonFiniteGradientError))
+
+
+_QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it already has
+
+
 def main(argv: list[str] | None = None) -> int:
+    logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
     if args.servers < 0 or (args.servers and args.backend != "mpi"):
         print("shoal-run: error: --servers S >= 1 needs --backend mpi", file=sys.stderr)
@@ -263,6 +277,11 @@ def _main(args, argv, backend) -> int:
         if is_root:
             print(f"shoal-run: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteGradientError as e:
+        # nonfinite="raise": every rank stops at the same step, so nobody is left waiting.
+        if is_root:
+            print(f"shoal-run: error: {name}: {e}", file=sys.stderr)
+        return 3
     except BaseException:
         if args.backend != "sim" and backend.size > 1:
             traceback.print_exc()
@@ -282,7 +301,8 @@ def _main(args, argv, backend) -> int:
         task=task,
     )
     print(summary_table(summaries))
-    print(f"wrote {out}/ (report.md, summary.md, metrics.jsonl, metrics.csv, {', '.join(PLOTS)})")
+    files = ["report.md", "summary.md", "metrics.jsonl", "metrics.csv", *PLOTS, "timing.jsonl"]
+    print(f"wrote {out}/ ({', '.join(files)})")
     return 0
 
 

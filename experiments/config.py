@@ -149,6 +149,14 @@ class Config:
     # periodically; a run that checkpoints also saves when it stops), resumed with --resume.
     checkpoint_every: int = 0
 
+    # Non-finite gradients (`shoal.optim.nonfinite`): "skip" the step on every worker (the
+    # whole update, local optimizer included, as if it never happened), "raise" (the run
+    # stops with an error on every rank), or "off" (no check, no flag all-reduce).
+    # inject_nonfinite "STEP:WORKER" adds a NaN to that worker's gradient at that step
+    # (1-based), a fault injection for tests and demonstrations ("": none).
+    nonfinite: Literal["skip", "raise", "off"] = "skip"
+    inject_nonfinite: str = ""
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -170,6 +178,11 @@ class Config:
         _check(self.policy_every >= 1, "policy_every", "an int >= 1")
         _check(self.policy_after >= 0, "policy_after", "an int >= 0")
         _check(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
+        _check(
+            self.inject_nonfinite == "" or self.injection() is not None,
+            "inject_nonfinite",
+            f'"STEP:WORKER" with STEP >= 1 and 0 <= WORKER < workers = {self.workers}, or ""',
+        )
         _check(self.project_workers >= 0, "project_workers", "an int >= 0 (0: no projection)")
         from shoal.comms.costmodel import PRESETS
 
@@ -222,6 +235,14 @@ class Config:
             f"at most train_size / workers = {self.train_size // self.workers} "
             f"(one global batch must fit in the training set)",
         )
+
+    def injection(self) -> tuple[int, int] | None:
+        """``inject_nonfinite`` as ``(step, worker)``; None when unset or malformed."""
+        step, colon, worker = self.inject_nonfinite.partition(":")
+        if not (colon and step.strip().isdigit() and worker.strip().isdigit()):
+            return None
+        step, worker = int(step), int(worker)
+        return (step, worker) if step >= 1 and worker < self.workers else None
 
 
 def _check(ok: Any, field: str, allowed: str) -> None:

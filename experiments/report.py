@@ -1,4 +1,6 @@
-"""Run outputs: ``metrics.jsonl``, ``metrics.csv``, loss plots and ``summary.md``."""
+"""Run outputs: ``metrics.jsonl``, ``metrics.csv``, loss plots, ``summary.md``,
+``report.md`` and ``timing.jsonl`` (wall-clock seconds per step, kept apart from the
+deterministic metrics)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ COLUMNS = (
     "density",
     "noise_scale",
     "policy",
-    "time_s",
+    "skipped",
 )
 # (summary key, table header, format)
 SUMMARY_COLUMNS = (
@@ -41,10 +43,11 @@ SUMMARY_COLUMNS = (
     ("mb_received", "MB recv/worker", "{:.3f}"),
     ("density", "sent/elements", "{:.2%}"),
     ("projected_ms", "projected step ms", "{:.2f}"),
+    ("skipped", "skipped steps", "{}"),
     ("wall_s", "wall s", "{:.1f}"),
 )
 # Shown only when some run has them.
-OPTIONAL_COLUMNS = ("projected_ms",)
+OPTIONAL_COLUMNS = ("projected_ms", "skipped")
 PLOTS = ("loss_vs_step.png", "loss_vs_mb.png", "accuracy_vs_step.png")
 SAMPLES_PLOT = "test_loss_vs_samples.png"  # with a LAMB / 1-bit LAMB pair
 
@@ -353,6 +356,10 @@ def write_run(
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / n for n in ("metrics.jsonl", "metrics.csv", *PLOTS, "summary.md")]
     paths.append(out / "report.md")
+    # Wall-clock times go to their own file, so that metrics.jsonl of two runs of one
+    # config and seed are byte for byte the same (RELIABILITY.md, determinism).
+    timing = [{k: r[k] for k in ("algorithm", "step", "time_s") if k in r} for r in records]
+    records = [{k: v for k, v in r.items() if k != "time_s"} for r in records]
     write_jsonl(paths[0], records)
     write_csv(paths[1], records)
     plot_loss(paths[2], records, "step", "step")
@@ -369,4 +376,6 @@ def write_run(
     write_summary(paths[5], cfg, summaries, backend=backend, command=command, extra=extra)
     write_report(paths[6], cfg, summaries, command=command,
                  extra=projection_section(cfg, summaries))  # fmt: skip
+    paths.append(out / "timing.jsonl")
+    write_jsonl(paths[-1], timing)
     return paths

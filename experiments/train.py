@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from shoal.experiments.config import Config
 from shoal.optim.bmuf import BMUFState
 from shoal.optim.gtc import sent_fraction
 from shoal.optim.noise_scale import noise_scale
+from shoal.optim.nonfinite import NonFiniteGradientError, skipped_steps
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
 
@@ -45,12 +47,16 @@ class RunResult:
     trained: int = 0
 
 
-def make_step(loss_fn, tx: optax.GradientTransformation):
+def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False):
     """One worker's step: local gradient, the algorithm's update (which communicates),
-    and the bytes the update put on and took off the wire."""
+    and the bytes the update put on and took off the wire. With ``inject`` the step takes
+    one more argument, a float32 added to every gradient element (0, or NaN to inject a
+    fault)."""
 
-    def step(params, opt_state, x, y):
+    def step(params, opt_state, x, y, *fault):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        if inject:
+            grads = jax.tree.map(lambda g: g + fault[0].astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         wire = wire_bytes(opt_state)
@@ -59,7 +65,9 @@ def make_step(loss_fn, tx: optax.GradientTransformation):
         density = jnp.float32(jnp.nan) if density is None else density
         noise = noise_scale(opt_state)
         noise = jnp.float32(jnp.nan) if noise is None else noise
-        return params, opt_state, (loss, wire.sent, wire.received, density, noise)
+        skipped = skipped_steps(opt_state)
+        skipped = jnp.int32(0) if skipped is None else skipped
+        return params, opt_state, (loss, wire.sent, wire.received, density, noise, skipped)
 
     return step
 
@@ -174,7 +182,8 @@ def train(
         checkpoints.remove(newer_than=state["step"])  # stale ones, past a corrupt newest
     elif checkpoints is not None:
         checkpoints.remove()  # a fresh run: no old run's checkpoint may mix in
-    step_fn = spmd(make_step(task.loss, tx))
+    injection = cfg.injection()
+    step_fn = spmd(make_step(task.loss, tx, inject=injection is not None))
 
     def save(step: int, finished: bool = False, summary: dict[str, Any] | None = None) -> None:
         state = checkpoint.pack(
@@ -197,8 +206,24 @@ def train(
                disable=not (progress and backend.is_root))  # fmt: skip
     for step in range(first, stop + 1):
         x, y = task.batch(step - 1, backend.size)
-        params, opt_state, metrics = step_fn(params, opt_state, backend.local(x), backend.local(y))
-        gathered = backend.gather(backend.stacked(metrics))
+        args = [backend.local(x), backend.local(y)]
+        if injection is not None:
+            fault = np.zeros(backend.size, np.float32)
+            if step == injection[0]:
+                fault[injection[1]] = np.nan
+            args.append(backend.local(fault))
+        try:
+            params, opt_state, metrics = step_fn(params, opt_state, *args)
+            gathered = backend.gather(backend.stacked(metrics))
+        except jax.errors.JaxRuntimeError as e:
+            # nonfinite="raise": every rank raises here, at the same step.
+            if NonFiniteGradientError.__name__ not in str(e):
+                raise
+            detail = re.search(r"NaN/Inf in the gradient of \d+ of \d+ workers", str(e))
+            raise NonFiniteGradientError(
+                f"step {step}: {detail.group(0) if detail else 'a non-finite gradient'} "
+                f"(nonfinite='raise'; 'skip' would have skipped the step on every worker)"
+            ) from None
         evaluate = step % cfg.eval_every == 0 or step == cfg.steps
         # Every rank takes part in the average; only the root evaluates it.
         avg = backend.mean_params(evaluated_params(params, opt_state)) if evaluate else None
@@ -213,9 +238,9 @@ def train(
                 policy_changes.append((step, dict(decision)))
                 tx = algorithms.build(algorithm, cfg, comms, context, changes)
                 opt_state = carry_state(opt_state, spmd(tx.init)(params))
-                step_fn = spmd(make_step(task.loss, tx))
+                step_fn = spmd(make_step(task.loss, tx, inject=injection is not None))
         if backend.is_root:
-            loss, sent, received, density, noise = gathered
+            loss, sent, received, density, noise, skipped = gathered
             sent_total += sent.astype(np.int64)
             received_total += received.astype(np.int64)
             rec = {
@@ -231,6 +256,8 @@ def train(
                 rec["density"] = float(np.mean(density, dtype=np.float64))
             if not np.isnan(noise).all():
                 rec["noise_scale"] = float(np.mean(noise, dtype=np.float64))
+            if skipped.max() > 0:
+                rec["skipped"] = int(skipped.max())  # steps skipped so far
             if decision:
                 rec["policy"] = policies.describe(decision)
             if evaluate:
@@ -265,6 +292,7 @@ def train(
             "density": float(np.mean([r["density"] for r in records]))
             if "density" in last
             else None,
+            "skipped": last.get("skipped"),  # None: no step skipped
             "wall_s": wall,
         }
         if cfg.project_workers:

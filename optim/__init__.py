@@ -6,6 +6,12 @@ from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
 from shoal.optim.gtc import GTCState, gtc
 from shoal.optim.noise_scale import NoiseScaleState, gradient_noise_scale, noise_scale
+from shoal.optim.nonfinite import (
+    NONFINITE_POLICIES,
+    NonFiniteGradientError,
+    SkipNonFiniteState,
+    skip_nonfinite,
+)
 from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_adam, onebit_lamb
 from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
 from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
@@ -16,12 +22,15 @@ __all__ = [
     "BFBState",
     "BMUFState",
     "GTCState",
+    "NONFINITE_POLICIES",
+    "NonFiniteGradientError",
     "NoiseScaleState",
     "OneBitAdamState",
     "OneBitLambState",
     "PartialExchangeState",
     "PeerAveragingState",
     "SMAState",
+    "SkipNonFiniteState",
     "allreduce_gradients",
     "bfb_allreduce",
     "bmuf",
@@ -35,5 +44,6 @@ __all__ = [
     "peer_averaging",
     "peer_permutation",
     "pgx_partition",
+    "skip_nonfinite",
     "sma",
 ]

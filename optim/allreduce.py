@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective
 
 
 class AllReduceState(NamedTuple):
+    skipped: jax.Array  # int32 steps skipped for a non-finite gradient (shoal.optim.nonfinite)
     wire: WireCount
 
 
-def allreduce_gradients(*, collective: Collective) -> optax.GradientTransformationExtraArgs:
+def allreduce_gradients(
+    *, collective: Collective, nonfinite: str | None = "skip"
+) -> optax.GradientTransformationExtraArgs:
     """Replace each worker's gradient by the mean over workers,
     ``g <- (1/N) sum_i g_i``, with one ring all-reduce of the whole pytree.
 
@@ -25,18 +31,20 @@ def allreduce_gradients(*, collective: Collective) -> optax.GradientTransformati
 
     Args:
       collective: the workers to average over (`shoal.comms.Collective`).
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
 
     def init_fn(params: Any) -> AllReduceState:
         check_same_structure(params, collective)
         del params
-        return AllReduceState(wire=WireCount.zero())
+        return AllReduceState(skipped=jnp.zeros((), jnp.int32), wire=WireCount.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         updates = collective.all_reduce(updates, op="mean")
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates), collective.size))
-        return updates, AllReduceState(wire=wire)
+        return updates, state._replace(wire=wire)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))

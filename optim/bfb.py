@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -22,10 +23,12 @@ from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
 from shoal.comms.mpi import MPICollective
 from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.wire import WireCount, all_gather_bytes, all_to_all_bytes
+from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves
 
 
 class BFBState(NamedTuple):
+    skipped: jax.Array  # int32 steps skipped for a non-finite gradient (shoal.optim.nonfinite)
     wire: WireCount
 
 
@@ -36,6 +39,7 @@ def bfb_allreduce(
     servers: ParameterServers | None = None,
     intra: Collective | None = None,
     order: Sequence[int] | None = None,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Replace each worker's gradient by the mean over all workers, reduced buffer by
     buffer through Herring's balanced fusion buffers. The mode follows the arguments:
@@ -63,8 +67,11 @@ def bfb_allreduce(
       order: production order of the gradient leaves (`shoal.comms.gradient_order`);
         worker 0's order is broadcast to all at construction, so construct this on every
         worker at the same point. None: leaf order.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the flag is
+        all-reduced over ``intra`` and ``collective``, never sent to the servers.
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
     if buffer_bytes is not None and (
         isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1
     ):
@@ -92,10 +99,10 @@ def bfb_allreduce(
             if tier is not None:
                 check_same_structure(params, tier)
         del params
-        return BFBState(wire=WireCount.zero())
+        return BFBState(skipped=jnp.zeros((), jnp.int32), wire=WireCount.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
-        del state, params, extra_args
+        del params, extra_args
         check_floating_leaves("updates", updates)
         plan = plan_fusion(
             updates, buffer_bytes=buffer_bytes, num_shards=local * shards, order=order
@@ -109,9 +116,10 @@ def bfb_allreduce(
             total, nbytes = _reduce(buf, plan, b, collective, intra, servers, tag)
             reduced.append((total / workers).astype(plan.dtype))
             sent += nbytes
-        return plan.unfuse(reduced), BFBState(wire=WireCount.of(sent, sent))
+        return plan.unfuse(reduced), state._replace(wire=WireCount.of(sent, sent))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    tiers = tuple(t for t in (intra, collective) if t is not None)
+    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, tiers))
 
 
 def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):

@@ -31,11 +31,13 @@ from jax import lax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
     check_positive,
     concrete_float,
+    require_params,
 )
 
 NBM_VARIANTS = ("seed", "chen_huo")
@@ -55,6 +57,8 @@ class BMUFState(NamedTuple):
         ``nesterov=True, nbm="chen_huo"``; None otherwise).
       step: int32 count of updates done (warm-up included).
       block: int32 count of BMUF steps done, the 0-based index of the next one.
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`);
+        they advance neither ``step`` nor the block.
       wire: bytes of this transformation's own collectives in the most recent update.
     """
 
@@ -64,6 +68,7 @@ class BMUFState(NamedTuple):
     filtered: Any
     step: jax.Array
     block: jax.Array
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -78,6 +83,7 @@ def bmuf(
     nbm: str = "seed",
     warmup_steps: int = 0,
     reset_inner_state: bool = False,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Blockwise model-update filtering around any optax optimizer ``inner``.
 
@@ -139,6 +145,9 @@ def bmuf(
         (and ``W``) track the synchronised model, so the first block starts from it.
       reset_inner_state: after every BMUF step re-init ``inner``'s state (CNTK's
         ``resetSGDMomentum``) instead of keeping it (DiLoCo).
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`). The flag is
+        all-reduced every step, so local steps are no longer free of communication
+        (4 bytes; None restores them).
 
     With ``optax.inject_hyperparams``, pass ``static_args=("block_size", "nesterov",
     "nbm", "warmup_steps", "reset_inner_state")``; ``block_lr`` and ``block_momentum``
@@ -156,6 +165,7 @@ def bmuf(
         nbm=nbm,
         warmup_steps=warmup_steps,
         reset_local_state=reset,
+        nonfinite=nonfinite,
     )
 
 
@@ -170,12 +180,16 @@ def block_update_filtering(
     nbm: str,
     warmup_steps: int = 0,
     reset_local_state: Callable[[Any, Any], Any] | None = None,
+    nonfinite: str | None = "skip",
+    flag_collectives: tuple[Collective, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The BMUF core shared by `bmuf` and `bmuf_gtc`: ``local`` (which may communicate,
     e.g. GTC inside a group) makes every step; every ``block_size`` steps the models
     are filtered over ``collective``. ``reset_local_state(state, W_g)`` is applied to
-    ``local``'s state after each BMUF step (None: keep it)."""
+    ``local``'s state after each BMUF step (None: keep it). The non-finite flag is summed
+    over ``flag_collectives`` (default ``(collective,)``), which must span every worker."""
     check_collective(collective)
+    check_nonfinite(nonfinite)
     _check_int("block_size", block_size, 1)
     _check_int("warmup_steps", warmup_steps, 0)
     if nbm not in NBM_VARIANTS:
@@ -201,12 +215,12 @@ def block_update_filtering(
             filtered=jax.tree.map(jnp.array, params) if two_buffers else None,
             step=jnp.zeros((), jnp.int32),
             block=jnp.zeros((), jnp.int32),
+            skipped=jnp.zeros((), jnp.int32),
             wire=WireCount.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError("bmuf needs params: call update(grads, state, params)")
+        require_params("bmuf", params)
         in_warmup = state.step < warmup_steps
         if warmup_steps:
             updates = lax.cond(
@@ -259,9 +273,15 @@ def block_update_filtering(
         out, local_state, w_g, delta, filtered, block, wire = lax.switch(
             jnp.asarray(index, jnp.int32), branches
         )
-        return out, BMUFState(local_state, w_g, delta, filtered, state.step + 1, block, wire)
+        new_state = BMUFState(
+            local_state, w_g, delta, filtered, state.step + 1, block, state.skipped, wire
+        )
+        return out, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    flags = flag_collectives if flag_collectives is not None else (collective,)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, guard(update_fn, nonfinite, flags, needs_params="bmuf")
+    )
 
 
 def _lin(a, x, b, y):

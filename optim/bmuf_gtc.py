@@ -35,6 +35,7 @@ def bmuf_gtc(
     nesterov: bool = True,
     nbm: str = "seed",
     reset_inner_state: bool = False,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Two-tier training: GTC within each group of ``P`` workers, BMUF across the ``M`` groups.
 
@@ -71,13 +72,16 @@ def bmuf_gtc(
       threshold: GTC's ``tau > 0``.
       capacity: GTC's words per worker per step (see `shoal.optim.gtc.gtc`).
       block_lr, block_momentum, nesterov, nbm, reset_inner_state: as in `bmuf`.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the flag is
+        summed over ``intra`` and then ``inter``, so all ``N`` workers skip together.
 
     State: `shoal.optim.bmuf.BMUFState`; its ``inner_state`` is the chain state
     ``(GTCState, inner state)``, or the inner state alone when ``P = 1``.
     """
     check_collective(intra)
     check_collective(inter)
-    compress = gtc(threshold, collective=intra, capacity=capacity)  # validates tau, capacity
+    # gtc() validates tau and capacity.
+    compress = gtc(threshold, collective=intra, capacity=capacity, nonfinite=nonfinite)
     inner = optax.with_extra_args_support(inner)
     if intra.size == 1:
         local = inner
@@ -94,4 +98,6 @@ def bmuf_gtc(
         nesterov=nesterov,
         nbm=nbm,
         reset_local_state=reset if reset_inner_state else None,
+        nonfinite=nonfinite,
+        flag_collectives=(intra, inter),
     )

@@ -26,6 +26,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
+from shoal.optim.nonfinite import check_nonfinite, report
 from shoal.optim.validation import check_collective, check_floating_leaves, check_positive
 
 MAX_BUFFER_ELEMENTS = 2**31 - 1  # 31 index bits per word
@@ -70,6 +71,7 @@ def gtc(
     collective: Collective,
     capacity: int | float = 0.02,
     average: bool = True,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Strom's threshold compression: send ``+-threshold`` where ``|g + r| > threshold``.
 
@@ -85,10 +87,11 @@ def gtc(
     keeps qualifying is sent within ``ceil(n / capacity)`` steps. Unsent elements
     stay in the residual: no gradient mass is lost.
 
-    Non-finite gradients: if any worker's gradient holds a NaN/Inf, it sends a header
-    of -1 instead of its count, and every worker skips the step (the update is zero):
-    finite workers keep ``g + r`` as their residual, the worker with the non-finite
-    gradient discards that gradient and keeps ``r``. ``GTCState.skipped`` counts them.
+    Non-finite gradients (`shoal.optim.nonfinite`): a worker whose gradient holds a
+    NaN/Inf sends a header of -1 instead of its count, so the flag needs no collective of
+    its own. With ``nonfinite="skip"`` every worker then skips the step: the update is
+    zero, residual and offset stay as they were, ``GTCState.skipped`` counts it;
+    ``"raise"`` also raises `NonFiniteGradientError`; None sends the count as usual.
 
     Use with ``optax.inject_hyperparams`` via ``static_args=("capacity",)``; the
     threshold may then be scheduled.
@@ -99,8 +102,10 @@ def gtc(
       capacity: words per worker per step, a fraction of the elements (float in
         (0, 1]) or an absolute count (int >= 1, clipped to the element count).
       average: divide the sum of the workers' ``q`` by the number of workers.
+      nonfinite: ``"skip"``, ``"raise"`` or None.
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
     check_positive("threshold", threshold)
     resolve_capacity(capacity, 1)  # type and range checks before any data is seen
     n_workers = collective.size
@@ -143,17 +148,21 @@ def gtc(
         a = g + r
         words, count, remainder = gtc_pack(a, tau, cap, state.offset)
 
-        finite = jnp.all(jnp.isfinite(g))
-        header = jnp.where(finite, count, -1).astype(jnp.int32)
+        if nonfinite is None:
+            header = count.astype(jnp.int32)
+        else:
+            header = jnp.where(jnp.all(jnp.isfinite(g)), count, -1).astype(jnp.int32)
         gathered = collective.all_gather(jnp.concatenate([header[None], words]))
         counts = gathered[:, 0]
-        all_finite = jnp.all(counts >= 0)
+        bad = jnp.sum(counts < 0, dtype=jnp.int32)
+        report(bad, n_workers, nonfinite)
+        all_finite = bad == 0
 
         total = gtc_unpack(gathered[:, 1:], jnp.maximum(counts, 0), tau, n)
         if average:
             total = total / n_workers
         total = jnp.where(all_finite, total, 0.0)
-        new_r = jnp.where(all_finite, remainder, jnp.where(finite, a, r))
+        new_r = jnp.where(all_finite, remainder, r)
 
         out = _split_like(total, sizes, leaves)
         residual = jax.tree.unflatten(
@@ -163,6 +172,7 @@ def gtc(
         # (cap words + 1 header) int32 per worker, all-gathered.
         wire = WireCount.of(*all_gather_bytes(4 * (cap + 1), n_workers))
         offset = ((state.offset.astype(jnp.uint32) + cap) % n).astype(jnp.int32)
+        offset = jnp.where(all_finite, offset, state.offset)
         skipped = state.skipped + jnp.where(all_finite, 0, 1).astype(jnp.int32)
         sent = jnp.where(all_finite, count, 0).astype(jnp.int32)
         new_state = GTCState(residual, offset, skipped, sent, wire)

@@ -30,6 +30,7 @@ import optax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
 
 _SCALAR_BYTES = 4  # one float32: the local squared norm
@@ -45,6 +46,7 @@ class NoiseScaleState(NamedTuple):
       g2: float32 bias-corrected ``|G|^2``, ``g2_ema / (1 - ema^t)`` (0 before step 1).
       s: float32 bias-corrected ``tr(Sigma)``, ``s_ema / (1 - ema^t)`` (0 before step 1).
       noise_scale: float32 ``B_simple = s / g2`` (0 before step 1).
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update.
     """
 
@@ -54,6 +56,7 @@ class NoiseScaleState(NamedTuple):
     g2: jax.Array
     s: jax.Array
     noise_scale: jax.Array
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -87,7 +90,11 @@ def _sq_norm(tree: Any) -> jax.Array:
 
 
 def gradient_noise_scale(
-    *, collective: Collective, local_batch_size: int, ema: float = 0.9
+    *,
+    collective: Collective,
+    local_batch_size: int,
+    ema: float = 0.9,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Average gradients over workers (like `allreduce_gradients`) and track the gradient
     noise scale ``B_simple = tr(Sigma) / |G|^2`` in the state.
@@ -111,8 +118,8 @@ def gradient_noise_scale(
     * EMAs are bias-corrected as in Adam, so ``ema=0`` reports the raw per-step
       estimates. ``ema`` is the weight of the past (KungFu's ``alpha`` is ``1 - ema``).
     * ``|G|^2`` may come out <= 0 when the signal is small against the noise; the ratio is
-      then reported as is (negative or non-finite), never clipped. Non-finite gradients
-      propagate into the estimates (and stay in the EMAs).
+      then reported as is (negative or non-finite), never clipped. A step with a
+      non-finite gradient is skipped (``nonfinite``) and leaves the EMAs untouched.
 
     Communication: one all-reduce of the gradient tree with one more float32 leaf (each
     worker's squared norm); ``wire`` counts both.
@@ -121,12 +128,14 @@ def gradient_noise_scale(
       collective: the workers to average over (`shoal.comms.Collective`), ``size >= 2``.
       local_batch_size: examples per worker per step (``B_small``), a positive int.
       ema: EMA decay in ``[0, 1)``.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     References:
       McCandlish et al., "An Empirical Model of Large-Batch Training", 2018, appendix A.1.
       Brabete, "KungFu", 2019, section 4.3 and appendix A.3.
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
     _check_batch_size(local_batch_size)
     decay = concrete_float(ema)
     if decay is not None and not 0.0 <= decay < 1.0:
@@ -149,6 +158,7 @@ def gradient_noise_scale(
             g2=zero,
             s=zero,
             noise_scale=zero,
+            skipped=jnp.zeros((), jnp.int32),
             wire=WireCount.zero(),
         )
 
@@ -174,10 +184,10 @@ def gradient_noise_scale(
         s = s_ema / correction
 
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates) + _SCALAR_BYTES, n))
-        new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, wire)
+        new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, state.skipped, wire)
         return updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))
 
 
 def noise_scale(opt_state: Any) -> jax.Array | None:

@@ -40,7 +40,13 @@ from shoal.comms.compressed import (
     compressed_allreduce_init,
 )
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
-from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
+from shoal.optim.nonfinite import check_nonfinite, guard
+from shoal.optim.validation import (
+    check_collective,
+    check_floating_leaves,
+    concrete_float,
+    require_params,
+)
 
 __all__ = ["OneBitAdamState", "OneBitLambState", "onebit_adam", "onebit_lamb"]
 
@@ -53,6 +59,7 @@ class OneBitAdamState(NamedTuple):
       mu: param-shaped float32 momentum ``m``.
       nu: param-shaped float32 second moment ``v``, frozen after ``freeze_step``.
       worker_error, server_error: float32 error feedback of the compressed all-reduce.
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update.
     """
 
@@ -61,6 +68,7 @@ class OneBitAdamState(NamedTuple):
     nu: Any
     worker_error: jax.Array
     server_error: jax.Array
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -77,6 +85,7 @@ class OneBitLambState(NamedTuple):
       last_factor: per-leaf float32 scaling factor of the previous compressed step.
       scale: per-leaf float32 momentum scale (1 until the first compressed step).
       worker_error, server_error: float32 error feedback of the compressed all-reduce.
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update.
     """
 
@@ -89,6 +98,7 @@ class OneBitLambState(NamedTuple):
     scale: Any
     worker_error: jax.Array
     server_error: jax.Array
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -191,6 +201,7 @@ def onebit_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     momentum_mask: Any = None,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit Adam (Tang et al. 2021, Algorithm 1), without bias correction.
 
@@ -216,8 +227,10 @@ def onebit_adam(
         zeroed after each decompression, so compression noise cannot move them. Without
         it such an element diverges: its frozen ``v`` is 0 and the decompressed momentum
         is ``+-scale``, never 0, so its update is ``scale / eps``.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
     """
     _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
+    check_nonfinite(nonfinite)
     size = collective.size
 
     def init_fn(params):
@@ -232,13 +245,13 @@ def onebit_adam(
             nu=zeros,
             worker_error=worker_error,
             server_error=server_error,
+            skipped=jnp.zeros((), jnp.int32),
             wire=WireCount.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        if params is None:
-            raise ValueError("onebit_adam needs params: call update(grads, state, params)")
+        require_params("onebit_adam", params)
         check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
         p = _f32(treedef.flatten_up_to(params))
@@ -277,11 +290,14 @@ def onebit_adam(
             nu=treedef.unflatten(new_nu),
             worker_error=we,
             server_error=se,
+            skipped=state.skipped,
             wire=wire,
         )
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, guard(update_fn, nonfinite, collective, needs_params="onebit_adam")
+    )
 
 
 # ------------------------------------------------------------------------ 1-bit LAMB
@@ -303,6 +319,7 @@ def onebit_lamb(
     factor_min: float = 0.5,
     factor_threshold: float = 0.1,
     momentum_mask: Any = None,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit LAMB (Li et al. 2021, Algorithm 1), without bias correction.
 
@@ -350,8 +367,10 @@ def onebit_lamb(
       momentum_mask: optional params-shaped tree of 0/1 arrays (broadcastable to the
         leaves) for structurally zero gradients; their momentum is zeroed after each
         decompression (without it they diverge, as in `onebit_adam`).
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
     """
     _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
+    check_nonfinite(nonfinite)
     _check_range("max_coeff", max_coeff, 0.0, np.inf, high_open=True)
     _check_range("min_coeff", min_coeff, 0.0, np.inf, high_open=True)
     _check_range("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
@@ -383,13 +402,13 @@ def onebit_lamb(
             scale=scalar(1.0),
             worker_error=worker_error,
             server_error=server_error,
+            skipped=jnp.zeros((), jnp.int32),
             wire=WireCount.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        if params is None:
-            raise ValueError("onebit_lamb needs params: call update(grads, state, params)")
+        require_params("onebit_lamb", params)
         check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
         p = _f32(treedef.flatten_up_to(params))
@@ -467,8 +486,10 @@ def onebit_lamb(
             new = lax.cond(state.count < freeze_step, warmup, compressed, None)
         out, *trees, we, se, wire = new
         trees = [treedef.unflatten([jnp.asarray(x, jnp.float32) for x in tr]) for tr in trees]
-        new_state = OneBitLambState(state.count + 1, *trees, we, se, wire)
+        new_state = OneBitLambState(state.count + 1, *trees, we, se, state.skipped, wire)
         out = [u.astype(x.dtype) for u, x in zip(out, leaves)]
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, guard(update_fn, nonfinite, collective, needs_params="onebit_lamb")
+    )

@@ -36,6 +36,7 @@ from jax import lax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves
 
 __all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
@@ -53,12 +54,14 @@ class PartialExchangeState(NamedTuple):
         `pgx_partition` gives each segment's bins.
       fraction: float32 budget fraction active at the most recent update (after init: the
         one step 0 will use).
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update (the exchanged bin's ring all-reduce).
     """
 
     step: jax.Array
     bin: jax.Array
     fraction: jax.Array
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -67,6 +70,7 @@ def partial_exchange(
     *,
     collective: Collective,
     schedule: Mapping[int, float] | None = None,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Partial gradient exchange: each step, average one bin of leaves over the workers.
 
@@ -104,8 +108,11 @@ def partial_exchange(
         ValueError naming the smallest fraction that works.
       collective: the workers to average over (`shoal.comms.Collective`).
       schedule: optional mapping from step (int >= 0) to fraction in ``(0, 1]``.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the check
+        covers every leaf, exchanged or not, since the local leaves are applied too.
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
     f0 = _check_fraction("budget_fraction", budget_fraction)
     segments = _segments(f0, schedule)  # ((start, fraction, name), ...), ascending
     n_workers = collective.size
@@ -117,6 +124,7 @@ def partial_exchange(
             step=jnp.zeros((), jnp.int32),
             bin=jnp.full((), -1, jnp.int32),
             fraction=jnp.asarray(segments[0][1], jnp.float32),
+            skipped=jnp.zeros((), jnp.int32),
             wire=WireCount.zero(),
         )
 
@@ -167,9 +175,9 @@ def partial_exchange(
             out, wire = branches[0](updates)
         else:
             out, wire = lax.switch(flat_bin, branches, updates)
-        return out, PartialExchangeState(t + 1, flat_bin, fraction, wire)
+        return out, PartialExchangeState(t + 1, flat_bin, fraction, state.skipped, wire)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))
 
 
 def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], ...]:

@@ -30,7 +30,8 @@ from jax import lax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, tree_nbytes
-from shoal.optim.validation import check_collective, check_floating_leaves
+from shoal.optim.nonfinite import check_nonfinite, guard
+from shoal.optim.validation import check_collective, check_floating_leaves, require_params
 
 STRATEGIES = ("round_robin", "random")
 
@@ -48,12 +49,14 @@ class PeerAveragingState(NamedTuple):
       history: with ``staleness = s > 0``, this worker's models before each of its last
         ``s`` updates (leading axis ``s``, a ring buffer indexed by ``step % s``); None
         when ``s == 0``.
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes sent and received by the most recent update.
     """
 
     inner_state: Any
     step: jax.Array
     history: Any
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -64,6 +67,7 @@ def peer_averaging(
     strategy: str = "round_robin",
     staleness: int = 0,
     seed: int = 0,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Average this worker's model with one peer's after every step, then apply the
     local update of ``inner`` (synchronous peer model averaging, Algorithm 4)::
@@ -112,6 +116,7 @@ def peer_averaging(
       strategy: ``"round_robin"`` or ``"random"``.
       staleness: ``s >= 0``, how many steps old the peer's model is.
       seed: int ``>= 0``, the shared seed of the ``"random"`` strategy.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     With ``optax.inject_hyperparams``, pass ``static_args=("strategy", "staleness",
     "seed")``.
@@ -121,6 +126,7 @@ def peer_averaging(
       Algorithm 4.
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _check_int("staleness", staleness, 0)
@@ -147,12 +153,12 @@ def peer_averaging(
             inner_state=inner.init(params),
             step=jnp.zeros((), jnp.int32),
             history=history,
+            skipped=jnp.zeros((), jnp.int32),
             wire=WireCount.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError("peer_averaging needs params: call update(grads, state, params)")
+        require_params("peer_averaging", params)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         t = state.step
         history = state.history
@@ -176,9 +182,12 @@ def peer_averaging(
             lambda q, p, u: ((q - p) / 2 + u).astype(u.dtype), received, params, inner_updates
         )
         n = tree_nbytes(params)
-        return out, PeerAveragingState(inner_state, t + 1, history, WireCount.of(n, n))
+        wire = WireCount.of(n, n)
+        return out, PeerAveragingState(inner_state, t + 1, history, state.skipped, wire)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, guard(update_fn, nonfinite, collective, needs_params="peer_averaging")
+    )
 
 
 def peer_permutation(strategy: str, size: int, step: int, seed: int = 0) -> tuple[int, ...]:

@@ -18,12 +18,19 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
-from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
+from shoal.optim.nonfinite import check_nonfinite, guard
+from shoal.optim.validation import (
+    check_collective,
+    check_floating_leaves,
+    concrete_float,
+    require_params,
+)
 
 
 class SMAState(NamedTuple):
@@ -31,10 +38,12 @@ class SMAState(NamedTuple):
 
     Attributes:
       inner_state: state of the local optimizer.
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes sent and received by the most recent update.
     """
 
     inner_state: Any
+    skipped: jax.Array
     wire: WireCount
 
 
@@ -43,6 +52,7 @@ def sma(
     *,
     collective: Collective,
     alpha: float = 0.1,
+    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Pull every worker's model towards the mean model, then apply the local update of
     ``inner``::
@@ -65,12 +75,14 @@ def sma(
       collective: the workers whose models are averaged (`shoal.comms.Collective`).
       alpha: the averaging weight in ``(0, 1]``; may be injected with
         ``optax.inject_hyperparams`` (a traced value is not checked).
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     References:
       Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section 2.6.2;
       Koliousis et al., "Crossbow", VLDB 2019.
     """
     check_collective(collective)
+    check_nonfinite(nonfinite)
     a = concrete_float(alpha)
     if a is not None and not 0.0 < a <= 1.0:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha!r}")
@@ -79,17 +91,20 @@ def sma(
     def init_fn(params):
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
-        return SMAState(inner_state=inner.init(params), wire=WireCount.zero())
+        return SMAState(
+            inner_state=inner.init(params), skipped=jnp.zeros((), jnp.int32), wire=WireCount.zero()
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError("sma needs params: call update(grads, state, params)")
+        require_params("sma", params)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         mean = collective.all_reduce(params, "mean")
         out = jax.tree.map(
             lambda m, p, u: (alpha * (m - p) + u).astype(u.dtype), mean, params, inner_updates
         )
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), collective.size))
-        return out, SMAState(inner_state, wire)
+        return out, SMAState(inner_state, state.skipped, wire)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, guard(update_fn, nonfinite, collective, needs_params="sma")
+    )

@@ -47,3 +47,9 @@ def check_floating_leaves(name: str, tree: Any) -> None:
                 f"{name} must be floating point; leaf {jax.tree_util.keystr(path)} has "
                 f"dtype {jnp.asarray(leaf).dtype}"
             )
+
+
+def require_params(name: str, params: Any) -> None:
+    """Transformations whose update reads the model refuse a missing ``params``."""
+    if params is None:
+        raise ValueError(f"{name} needs params: call update(grads, state, params)")

@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from shoal.comms import AxisCollective
+from shoal.comms import AxisCollective, two_tier
 
 N_WORKERS = 4
 
@@ -58,3 +58,25 @@ def run_workers(fn, *stacked_args, collective=None):
         return {r: jax.jit(f)(*mine)}
     out = jax.jit(jax.vmap(f, axis_name=coll.axis_name))(*stacked_args)
     return {r: jax.tree.map(lambda a, r=r: a[r], out) for r in range(coll.size)}
+
+
+@functools.cache
+def tiers(group_size):
+    """``(intra, inter)`` of `world` for groups of ``group_size``; cached, since
+    ``comm.Split`` is collective: every rank splits once per group size, in order."""
+    return two_tier(world(), group_size)
+
+
+def run_two_tier(fn, group_size, *stacked_args):
+    """``fn(intra, inter, *args_of_one_worker)`` on every worker; ``{rank: output}``."""
+    intra, inter = tiers(group_size)
+    f = functools.partial(fn, intra, inter)
+    if UNDER_MPI:
+        r = my_ranks()[0]
+        return {r: jax.jit(f)(*jax.tree.map(lambda a: a[r], stacked_args))}
+    n = n_workers()
+    groups = n // group_size
+    nested = jax.vmap(jax.vmap(f, axis_name=intra.axis_name), axis_name=inter.axis_name)
+    grouped = jax.tree.map(lambda a: a.reshape(groups, group_size, *a.shape[1:]), stacked_args)
+    y = jax.jit(nested)(*grouped)
+    return {w: jax.tree.map(lambda a, w=w: a[w // group_size, w % group_size], y) for w in range(n)}

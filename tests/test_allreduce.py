@@ -29,8 +29,9 @@ def test_mean_gradient_and_wire_bytes():
         u, state = tx.update(g, state, g)
         return u, wire_bytes(state)
 
-    # 4*3 + 3 + 3 = 18 float32 = 72 bytes; ring all-reduce: 2 (N-1) / N * 72 each way.
-    expect_bytes = 2 * (N - 1) * 72 // N
+    # 4*3 + 3 + 3 = 18 float32 = 72 bytes; ring all-reduce: 2 (N-1) / N * 72 each way,
+    # plus the non-finite flag: one int32 all-reduced first, 2 (N-1) / N * 4 each way.
+    expect_bytes = 2 * (N - 1) * 72 // N + 2 * (N - 1) * 4 // N
     for _, (u, w) in run_workers(worker, GRADS).items():
         for got, g in zip(jax.tree.leaves(u), jax.tree.leaves(GRADS)):
             np.testing.assert_allclose(got, -0.5 * g.mean(0), rtol=1e-6)

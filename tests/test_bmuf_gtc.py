@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import UNDER_MPI, my_ranks, n_workers, run_workers, world
+from harness import n_workers, run_two_tier, run_workers, tiers, world
 from jax import lax
 
 from shoal.comms import two_tier, wire_bytes
@@ -94,26 +94,6 @@ def oracle(steps, block_size, group_size, variant, mu=0.0, reset=False):
                 mom[:] = 0.0
         out.append(models[np.arange(N) // group_size])
     return np.stack(out)
-
-
-@functools.cache
-def tiers(group_size):
-    # comm.Split is collective: cached so every rank splits once per group size, in order.
-    return two_tier(world(), group_size)
-
-
-def run_two_tier(fn, group_size, *stacked_args):
-    """``fn(intra, inter, *args_of_one_worker)`` on every worker; {rank: output}."""
-    intra, inter = tiers(group_size)
-    f = functools.partial(fn, intra, inter)
-    if UNDER_MPI:
-        r = my_ranks()[0]
-        return {r: jax.jit(f)(*jax.tree.map(lambda a: a[r], stacked_args))}
-    groups = N // group_size
-    nested = jax.vmap(jax.vmap(f, axis_name=intra.axis_name), axis_name=inter.axis_name)
-    grouped = jax.tree.map(lambda a: a.reshape(groups, group_size, *a.shape[1:]), stacked_args)
-    y = jax.jit(nested)(*grouped)
-    return {w: jax.tree.map(lambda a, w=w: a[w // group_size, w % group_size], y) for w in range(N)}
 
 
 def scan_steps(opt, params, x, y, steps, extra=lambda p: ()):

@@ -193,6 +193,19 @@ def test_step_comm_time_algorithms():
     assert comm(e, one, all_reduce="hierarchical") == pytest.approx(comm(e, one))
 
 
+def test_short_all_reduce_is_recursive_doubling():
+    # 3 rounds (p = 8) of (alpha + n beta + n gamma) on the inter link, for any algorithm.
+    assert cm.recursive_doubling_all_reduce(4, 8, A, B, G) == pytest.approx(3 * (A + 4e-6 + 4e-7))
+    flag = [Event("all_reduce", "world", 4)]
+    for algo in cm.ALL_REDUCE_ALGORITHMS:
+        assert comm(flag, SMALL, all_reduce=algo) == pytest.approx(3 * (1e-3 + 4e-6))
+    # one byte more than the cut-off: back to the ring (2 (p - 1) latencies)
+    big = [Event("all_reduce", "world", cm.SHORT_ALL_REDUCE + 1)]
+    assert comm(big, SMALL) == pytest.approx(
+        cm.ring_all_reduce(cm.SHORT_ALL_REDUCE + 1, 8, 1e-3, 1e-6)
+    )
+
+
 def test_project_and_speedup():
     events = [Event("all_reduce", "world", 8000)]
     p = project(events, SMALL, 0.1)

@@ -143,16 +143,22 @@ def test_half_precision_leaf_norms_in_float32():
 
 
 @pytest.mark.mpi
-def test_non_finite_gradients_propagate():
+def test_non_finite_gradients():
     g = step_grads(GRADS, 0)
     g = {"w": g["w"].copy(), "b": g["b"]}
     g["w"][N - 1, 0, 0] = np.nan
 
-    def worker(coll, g):
-        tx = gradient_noise_scale(collective=coll, local_batch_size=B)
+    def worker(coll, g, nonfinite):
+        tx = gradient_noise_scale(collective=coll, local_batch_size=B, nonfinite=nonfinite)
         return tx.update(g, tx.init(g))
 
-    for _, (u, state) in run_workers(worker, g).items():
+    # Skipped (the default): zero update, estimates and EMAs untouched.
+    for _, (u, state) in run_workers(lambda c, g: worker(c, g, "skip"), g).items():
+        assert all(np.all(x == 0) for x in jax.tree.leaves(u))
+        assert int(state.step) == 0 and int(state.skipped) == 1
+        assert float(state.g2_ema) == 0.0 and float(state.noise_scale) == 0.0
+    # Unchecked: the NaN reaches the mean and every estimate.
+    for _, (u, state) in run_workers(lambda c, g: worker(c, g, None), g).items():
         assert np.isnan(u["w"][0, 0]) and np.all(np.isfinite(u["b"]))
         assert np.isnan(state.g2) and np.isnan(state.s) and np.isnan(state.noise_scale)
 
@@ -223,7 +229,7 @@ def test_inject_hyperparams_and_chain():
 def test_noise_scale_finder():
     def fake(value):
         z = jnp.zeros(())
-        return NoiseScaleState(jnp.int32(1), z, z, z, z, jnp.float32(value), None)
+        return NoiseScaleState(jnp.int32(1), z, z, z, z, jnp.float32(value), jnp.int32(0), None)
 
     assert noise_scale(optax.sgd(0.1).init(jnp.zeros(3))) is None
     assert noise_scale(()) is None

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from shoal.comms import AxisCollective, ParameterServers, plan_fusion
+from shoal.comms.wire import all_reduce_bytes
 from shoal.optim import bfb_allreduce
 
 SERVERS = {"check": 2, "orphan": 1}
@@ -56,8 +57,10 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
         u, s = step(grads(rank, t, w))
         check_close(u, mean(grads, w, t))
         plan = plan_fusion(grads(rank, t, w), buffer_bytes=40, num_shards=ps.num_servers)
-        # Each worker sends and receives every buffer once (padding included).
-        assert int(s.wire.sent) == int(s.wire.received) == sum(plan.buffer_bytes)
+        # Each worker sends and receives every buffer once (padding included), plus the
+        # non-finite flag's all-reduce among the workers (never sent to the servers).
+        flag = all_reduce_bytes(4, w)[0]
+        assert int(s.wire.sent) == int(s.wire.received) == sum(plan.buffer_bytes) + flag
     if mode == "orphan":
         return  # no shutdown: the server must time out
     u, _ = jax.jit(lambda g: flat.update(g, flat.init(g)))(half(rank, w))
@@ -82,6 +85,7 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
     plan = plan_fusion(grads(rank, 5, w), buffer_bytes=40, num_shards=LOCAL * ps.num_servers)
     expect = sum((LOCAL - 1) * b // LOCAL + b // LOCAL + (LOCAL - 1) * (b // LOCAL)
                  for b in plan.buffer_bytes)  # fmt: skip
+    expect += all_reduce_bytes(4, LOCAL)[0] + all_reduce_bytes(4, inter.size)[0]  # the flag
     assert int(s.wire.sent) == int(s.wire.received) == expect
     ps.shutdown()
     print("worker ok", flush=True)

@@ -1,0 +1,189 @@
+"""One policy for non-finite gradients, shared by every communicating transformation.
+
+A NaN or Inf in one worker's gradient must not reach the others (an average with a NaN is
+NaN everywhere) nor stay in a residual, error-feedback buffer or momentum, where it would
+poison every later step. So every worker counts whether its gradient is finite, the count
+is all-reduced (one int32, ``2 (N-1)/N * 4`` bytes each way, in the state's wire count),
+and with ``bad > 0`` every worker takes the same branch of a ``lax.cond``:
+
+* ``"skip"`` (default): the step is skipped on every worker: the update is zero and the
+  transformation's state is exactly what it was, except ``skipped += 1`` (the step
+  counter does not advance: a skipped step is one that never happened). The finite
+  workers' gradients of that step are discarded, as in mixed-precision loss scaling.
+* ``"raise"``: the same skip, and every worker raises `NonFiniteGradientError` from a host
+  callback. Under ``jit`` it surfaces as a ``jax.errors.JaxRuntimeError`` whose message
+  contains ``NonFiniteGradientError`` and the count; since the count is all-reduced, all
+  ranks of an MPI job raise at the same step, none is left waiting.
+* ``None``: no check and no extra collective; a non-finite gradient propagates as the
+  algorithm's arithmetic makes it.
+
+Every communicating transformation applies this policy to itself (``nonfinite=`` at
+construction): its own state is protected, and it returns a zero update, which optimizers
+chained after it still apply (a momentum then decays one step). To skip a whole
+``optax.chain`` as one, wrap it in `skip_nonfinite` and build its members with
+``nonfinite=None`` (one flag all-reduce per step instead of one per member).
+
+GTC needs no extra collective: its all-gather header carries the flag (see `gtc`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from shoal.comms.collective import Collective
+from shoal.comms.wire import WireCount, all_reduce_bytes
+from shoal.optim.validation import check_collective, require_params
+
+NONFINITE_POLICIES = ("skip", "raise", None)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some worker's gradient held a NaN or Inf (policy ``nonfinite="raise"``)."""
+
+
+def check_nonfinite(nonfinite: Any) -> None:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+
+
+def local_nonfinite(tree: Any) -> jax.Array:
+    """int32 1 if any element of this worker's ``tree`` is NaN/Inf, else 0."""
+    flags = [~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
+    if not flags:
+        return jnp.zeros((), jnp.int32)
+    return jnp.any(jnp.stack(flags)).astype(jnp.int32)
+
+
+def _raise_if_bad(bad, workers):
+    if int(bad) > 0:
+        raise NonFiniteGradientError(
+            f"NaN/Inf in the gradient of {int(bad)} of {workers} workers; the step was "
+            f"skipped on every worker (nonfinite='raise')"
+        )
+
+
+def report(bad: jax.Array, workers: int, nonfinite: str | None) -> None:
+    """Under ``nonfinite="raise"``, raise on the host once the all-reduced ``bad`` count is
+    known (a callback, so the error comes from inside ``jit``)."""
+    if nonfinite == "raise":
+        jax.debug.callback(_raise_if_bad, bad, workers)
+
+
+def skipped_steps(opt_state: Any) -> jax.Array | None:
+    """Steps skipped so far: the largest ``skipped`` counter in ``opt_state`` (a wrapper and
+    the transformations inside it never both count one step); None when there is none."""
+    has = lambda x: isinstance(x, tuple) and "skipped" in getattr(x, "_fields", ())
+    counts = [s.skipped for s in jax.tree.leaves(opt_state, is_leaf=has) if has(s)]
+    if not counts:
+        return None
+    return functools.reduce(jnp.maximum, counts)
+
+
+def _without_traffic(state: Any) -> Any:
+    """``state`` with every `WireCount` in it (nested ones included) at zero: a skipped
+    step sent nothing, and the counters hold the most recent update's bytes."""
+    is_wire = lambda x: isinstance(x, WireCount)
+    return jax.tree.map(lambda x: WireCount.zero() if is_wire(x) else x, state, is_leaf=is_wire)
+
+
+def guard(
+    update_fn: Callable,
+    nonfinite: str | None,
+    collectives: Collective | Sequence[Collective],
+    *,
+    needs_params: str | None = None,
+) -> Callable:
+    """Wrap a transformation's ``update_fn`` with the policy above.
+
+    ``collectives`` together span every worker whose step must stay in lock-step (two-tier
+    algorithms pass ``(intra, inter)``: the count is summed within the group, then across
+    groups). The state must be a NamedTuple with ``skipped`` and ``wire`` fields.
+    ``needs_params``: the transformation's name if its update reads ``params`` (refused
+    before any communication when missing).
+    """
+    check_nonfinite(nonfinite)
+    if nonfinite is None:
+        return update_fn
+    if not isinstance(collectives, (list, tuple)):
+        collectives = (collectives,)
+    workers = 1
+    for c in collectives:
+        workers *= c.size
+
+    def guarded(updates, state, params=None, **extra_args):
+        if needs_params:
+            require_params(needs_params, params)
+        if not jax.tree.leaves(updates):  # nothing to check, nothing to send
+            return update_fn(updates, state, params, **extra_args)
+        bad = local_nonfinite(updates)
+        wire = WireCount.zero()
+        for c in collectives:
+            bad = c.all_reduce(bad, "sum")
+            wire = wire + WireCount.of(*all_reduce_bytes(4, c.size))
+        report(bad, workers, nonfinite)
+
+        def run(_):
+            return update_fn(updates, state, params, **extra_args)
+
+        def skip(_):
+            zeros = jax.tree.map(jnp.zeros_like, updates)
+            return zeros, _without_traffic(state)
+
+        # bad is the same on every worker, so all take the same branch and the collectives
+        # inside run() are entered by all or by none.
+        new_updates, new_state = lax.cond(bad == 0, run, skip, None)
+        skipped = new_state.skipped + (bad > 0).astype(new_state.skipped.dtype)
+        return new_updates, new_state._replace(skipped=skipped, wire=new_state.wire + wire)
+
+    return guarded
+
+
+class SkipNonFiniteState(NamedTuple):
+    """State of `skip_nonfinite`: the wrapped transformation's state, the int32 count of
+    skipped steps, and the flag's bytes in the most recent update."""
+
+    inner_state: Any
+    skipped: jax.Array
+    wire: WireCount
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+    *,
+    collective: Collective | Sequence[Collective],
+    nonfinite: str = "skip",
+) -> optax.GradientTransformationExtraArgs:
+    """Apply the non-finite policy (module docstring) to all of ``inner``, e.g. a chain:
+    on a skipped step every worker returns zero updates and keeps ``inner``'s whole state,
+    so the chain's momentum, counters and schedules do not move either.
+
+    Args:
+      inner: any optax transformation (typically a chain of shoal's transformations built
+        with ``nonfinite=None`` and an optimizer).
+      collective: the workers that must skip together (all of them; a two-tier algorithm
+        passes ``(intra, inter)``).
+      nonfinite: ``"skip"`` or ``"raise"``.
+    """
+    collectives = tuple(collective) if isinstance(collective, (list, tuple)) else (collective,)
+    for c in collectives:
+        check_collective(c)
+    if nonfinite is None:
+        raise ValueError("nonfinite must be 'skip' or 'raise' for skip_nonfinite, got None")
+    check_nonfinite(nonfinite)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32), WireCount.zero())
+
+    def update_fn(updates, state, params=None, **extra_args):
+        new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        return new_updates, state._replace(inner_state=inner_state, wire=WireCount.zero())
+
+    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collectives))
