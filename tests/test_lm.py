@@ -105,10 +105,12 @@ def test_onebit_lamb_wire_bytes(lm_run):
     n_pad = -(-n // 32) * 32
     compressed = 2 * (WORKERS - 1) * (n_pad // WORKERS // 8 + 4)
     assert compressed_allreduce_bytes(n, WORKERS) == (compressed, compressed)
-    expect = [ring if step <= FREEZE else compressed for step in range(1, STEPS + 1)]
+    # Every step first all-reduces the non-finite flag (one int32) over the workers.
+    flag = 2 * (WORKERS - 1) * 4 // WORKERS
+    expect = [(ring if step <= FREEZE else compressed) + flag for step in range(1, STEPS + 1)]
     assert [r["bytes_sent"] for r in one] == expect
     assert [r["bytes_received"] for r in one] == expect
-    assert [r["bytes_sent"] for r in lamb] == [ring] * STEPS
+    assert [r["bytes_sent"] for r in lamb] == [ring + flag] * STEPS
     assert one[-1]["mb_sent"] == pytest.approx(sum(expect) / 1e6, rel=1e-12)
 
     # Same init, data and rule through the freeze step: the same losses, also at step
@@ -121,7 +123,7 @@ def test_onebit_lamb_wire_bytes(lm_run):
     summary = (lm_run / "summary.md").read_text()
     w = FREEZE / STEPS
     measured = lamb[-1]["mb_sent"] / one[-1]["mb_sent"]
-    assert measured == pytest.approx(STEPS * ring / sum(expect))
+    assert measured == pytest.approx(STEPS * (ring + flag) / sum(expect))
     assert "## LAMB vs 1-bit LAMB" in summary
     assert f"measured (LAMB MB / 1-bit LAMB MB): **{measured:.2f}x**" in summary
     assert f"**{1 / (w + (1 - w) / 32):.2f}x**" in summary

@@ -39,6 +39,10 @@ def ring_bytes(nbytes):
     return 2 * (N - 1) * nbytes // N
 
 
+# Every step first all-reduces the non-finite flag, one int32, on top of the bin.
+FLAG_BYTES = ring_bytes(4)
+
+
 def run_steps(make_tx, grads):
     """Apply ``make_tx(collective)`` for every step; {rank: (updates[T], bins, fractions,
     wire sent[T], wire received[T])}."""
@@ -65,7 +69,7 @@ def check_against_oracle(out, grads, schedule_bins):
             assert int(bins[t]) == flat_bin, (rank, t)
             assert float(fractions[t]) == np.float32(fraction)
             nbytes = sum(4 * math.prod(SHAPES[k]) for k in exchanged)
-            assert (int(sent[t]), int(received[t])) == (ring_bytes(nbytes),) * 2
+            assert (int(sent[t]), int(received[t])) == (ring_bytes(nbytes) + FLAG_BYTES,) * 2
             for k in LEAVES:
                 if k in exchanged:
                     mean = grads[k][:, t].astype(np.float64).mean(0)
@@ -133,9 +137,9 @@ def test_round_robin_over_two_rounds():
     out = run_steps(lambda c: partial_exchange(0.4, collective=c), grads)
     expect = [(t % 3, BINS_04[t % 3], 0.4) for t in range(steps)]
     check_against_oracle(out, grads, expect)
-    # The wire bytes by hand, too: bins of 32, 32, 24 bytes.
+    # The wire bytes by hand, too: bins of 32, 32, 24 bytes, plus the flag.
     for _, (_, _, _, sent, _) in out.items():
-        assert [int(s) for s in sent] == [ring_bytes(b) for b in BIN_BYTES_04] * 2
+        assert [int(s) for s in sent] == [ring_bytes(b) + FLAG_BYTES for b in BIN_BYTES_04] * 2
 
 
 @pytest.mark.mpi

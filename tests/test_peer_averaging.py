@@ -105,11 +105,12 @@ def test_matches_oracle(strategy, staleness, inner):
         lambda c: peer_averaging(make(), collective=c, strategy=strategy, staleness=staleness)
     )
     expect = oracle(strategy, staleness, mu, wd)
+    flag = 2 * (N - 1) * 4 // N  # the non-finite flag: one int32 all-reduced every step
     for rank, ((params, wire), state) in out.items():
         np.testing.assert_allclose(flat(params), expect[:, rank], rtol=1e-5, atol=1e-5)
-        # One model out and one in per step, whatever the strategy.
-        assert np.asarray(wire.sent).tolist() == [N_BYTES] * STEPS
-        assert np.asarray(wire.received).tolist() == [N_BYTES] * STEPS
+        # One model out and one in per step, whatever the strategy, plus the flag.
+        assert np.asarray(wire.sent).tolist() == [N_BYTES + flag] * STEPS
+        assert np.asarray(wire.received).tolist() == [N_BYTES + flag] * STEPS
         assert isinstance(state, PeerAveragingState)
         assert state.step.dtype == jnp.int32 and int(state.step) == STEPS
         if staleness:

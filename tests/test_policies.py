@@ -72,13 +72,17 @@ def test_runner_switches_from_full_to_partial_exchange():
     # Oracle: the same two stages by hand, the local SGD state carried over the switch.
     params0 = task.init_params()
     n = tree_nbytes(params0)
-    full = 2 * (WORKERS - 1) * (n + 4) // WORKERS  # the gradient and its squared norm
+    # The gradient and its squared norm; every step also the non-finite flag (one int32).
+    flag = 2 * (WORKERS - 1) * 4 // WORKERS
+    full = 2 * (WORKERS - 1) * (n + 4) // WORKERS + flag
     bins = pgx_partition(params0, cfg.adaptive_fraction)
     leaf_bytes = {
         jax.tree_util.keystr(k): v.size * 4 for k, v in jax.tree_util.tree_leaves_with_path(params0)
     }
     bin_bytes = [sum(leaf_bytes[p] for p in b) for b in bins]
-    partial = [2 * (WORKERS - 1) * bin_bytes[t % len(bins)] // WORKERS for t in range(STEPS)]
+    partial = [
+        2 * (WORKERS - 1) * bin_bytes[t % len(bins)] // WORKERS + flag for t in range(STEPS)
+    ]
     assert [r["bytes_sent"] for r in recs] == [full] * EVERY + partial[: STEPS - EVERY]
 
     coll = SimBackend(WORKERS).collective

@@ -16,20 +16,23 @@ pytestmark = pytest.mark.skipif(UNDER_MPI, reason="single-process recording")
 
 PARAMS = {"a": jnp.zeros((10,)), "b": jnp.zeros((4, 5)), "c": jnp.zeros((2,))}  # 32 floats
 NBYTES = 4 * 32
+# Every update first all-reduces the non-finite flag, one int32 (shoal.optim.nonfinite).
+FLAG = Event("all_reduce", "world", 4)
 
 
 def test_allreduce_logs_one_event_per_step():
     events = record_events(
         lambda c: allreduce_gradients(collective=c), PARAMS, workers=128, steps=3
     )
-    assert events == [[Event("all_reduce", "world", NBYTES)]] * 3
+    assert events == [[FLAG, Event("all_reduce", "world", NBYTES)]] * 3
 
 
 def test_bmuf_logs_only_its_block_steps():
     events = record_events(
         lambda c: bmuf(optax.sgd(0.1), collective=c, block_size=3), PARAMS, workers=16, steps=7
     )
-    synced = [t for t, ev in enumerate(events, 1) if ev]
+    assert all(ev[0] == FLAG for ev in events)  # the flag every step, before anything
+    synced = [t for t, ev in enumerate(events, 1) if ev[1:]]
     assert synced == [3, 6]
     assert all(e.kind == "all_reduce" and e.group == "world" for t in synced for e in events[t - 1])
 
@@ -43,7 +46,8 @@ def test_pgx_cycles_its_bins():
     sizes = {"['a']": 40, "['b']": 80, "['c']": 8}
     per_bin = [sum(sizes[p] for p in b) for b in bins]
     assert per_bin == [88, 40]
-    assert [[e.nbytes for e in ev] for ev in events] == [[88], [40], [88], [40]]
+    assert all(ev[0] == FLAG for ev in events)
+    assert [[e.nbytes for e in ev[1:]] for ev in events] == [[88], [40], [88], [40]]
 
 
 def test_two_tier_groups():
@@ -56,8 +60,11 @@ def test_two_tier_groups():
         group_size=8,
         steps=4,
     )
+    # The flag is summed in the group, then across groups, before the algorithm runs.
+    flags = [Event("all_reduce", "intra", 4), Event("all_reduce", "inter", 4)]
     for t, ev in enumerate(events, 1):
-        groups = [e.group for e in ev]
+        assert ev[:2] == flags
+        groups = [e.group for e in ev[2:]]
         assert "intra" in groups  # GTC inside the group every step
         assert ("inter" in groups) == (t % 2 == 0)  # BMUF across groups every 2 steps
 

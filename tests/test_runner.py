@@ -21,6 +21,7 @@ import optax
 import pytest
 
 from shoal.comms import tree_nbytes
+from shoal.comms.wire import all_reduce_bytes
 from shoal.experiments import algorithms
 from shoal.experiments.backends import SimBackend
 from shoal.experiments.cli import main, resolve_workers
@@ -45,6 +46,7 @@ WORKERS = 4
 STEPS = 12
 BLOCK = 4
 GROUP = 2  # two groups of two workers
+FLAG = all_reduce_bytes(4, WORKERS)[0]  # the non-finite flag's all-reduce, every step
 ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "adaptive")
 SETS = [
     f"steps={STEPS}",
@@ -107,8 +109,9 @@ def test_ssgd_equals_one_worker_on_the_concatenated_batch():
     recs = result.records
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     np.testing.assert_allclose([r["loss"] for r in recs], losses, rtol=1e-5)
-    # A ring all-reduce of the gradient per step: 2 (P-1)/P of its bytes, each way.
-    per_step = 2 * (WORKERS - 1) * tree_nbytes(init) // WORKERS
+    # A ring all-reduce of the gradient per step: 2 (P-1)/P of its bytes, each way; and
+    # the non-finite flag's (one int32).
+    per_step = 2 * (WORKERS - 1) * tree_nbytes(init) // WORKERS + FLAG
     assert all(r["bytes_sent"] == r["bytes_received"] == per_step for r in recs)
     assert recs[-1]["mb_sent"] == pytest.approx(steps * per_step / 1e6, rel=1e-12)
     assert result.summary["mb_sent"] == recs[-1]["mb_sent"]
@@ -162,7 +165,8 @@ def test_dedicated_parameter_servers(sim_run, tmp_path):
     nbytes = tree_nbytes(GaussianMixtureTask(cfg).init_params())
     # One float32 buffer (automatic size), split into 2 shards.
     shard = -(-nbytes // 4 // servers) * 4
-    assert all(r["bytes_sent"] == r["bytes_received"] == servers * shard
+    flag = all_reduce_bytes(4, WORKERS)[0]  # among the workers only
+    assert all(r["bytes_sent"] == r["bytes_received"] == servers * shard + flag
                for r in mpi if r["algorithm"] == "bfb")  # fmt: skip
     per_server = STEPS * WORKERS * shard / 1e6
     for s in range(servers):
@@ -181,6 +185,47 @@ def test_servers_end_when_the_config_is_wrong():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "no_such_key" in proc.stderr
     assert "parameter server 0: 0 steps" in proc.stdout
+
+
+def test_same_config_and_seed_write_identical_metrics(sim_run, tmp_path):
+    """Determinism (simulation): a second run of the same config and seed writes the same
+    metrics, byte for byte; wall-clock times are kept apart in timing.jsonl. Another seed
+    gives other numbers."""
+    again = tmp_path / "again"
+    assert main([str(QUICKSTART), *SMALL, "--out", str(again)]) == 0
+    for name in ("metrics.jsonl", "metrics.csv"):
+        assert (again / name).read_bytes() == (sim_run / name).read_bytes(), name
+    timing = read_jsonl(sim_run / "timing.jsonl")
+    metrics = read_jsonl(sim_run / "metrics.jsonl")
+    assert [(t["algorithm"], t["step"]) for t in timing] == [
+        (r["algorithm"], r["step"]) for r in metrics
+    ]
+    assert all(t["time_s"] > 0 for t in timing) and not any("time_s" in r for r in metrics)
+    other = tmp_path / "other"
+    args = ["--workers", str(WORKERS), "--set", *SETS, "algorithms=ssgd", "seed=1"]
+    assert main([str(QUICKSTART), *args, "--no-progress", "--out", str(other)]) == 0
+    ssgd = [r["loss"] for r in metrics if r["algorithm"] == "ssgd"]
+    assert [r["loss"] for r in read_jsonl(other / "metrics.jsonl")] != ssgd
+
+
+def test_injected_nan_is_skipped(tmp_path):
+    """inject_nonfinite=5:2 puts a NaN into worker 2's gradient at step 5: every worker
+    skips the whole update (only the flag is sent), later steps count it, and summary.md
+    shows the skipped step."""
+    args = ["--workers", str(WORKERS), "--no-progress", "--set", *SETS, "algorithms=ssgd,bmuf",
+            "inject_nonfinite=5:2", "--out", str(tmp_path)]  # fmt: skip
+    assert main([str(QUICKSTART), *args]) == 0
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    for name in ("ssgd", "bmuf"):
+        run = [r for r in recs if r["algorithm"] == name]
+        assert [r.get("skipped", 0) for r in run] == [0] * 4 + [1] * (STEPS - 4)
+        assert run[4]["bytes_sent"] == FLAG
+        assert all(np.isfinite(r["loss"]) for r in run)
+        assert np.isfinite(run[-1]["test_loss"])
+    # BMUF's blocks shift by the skipped step: its all-reduces come at steps 4, 9, ...
+    bmuf = [r["bytes_sent"] > FLAG for r in recs if r["algorithm"] == "bmuf"]
+    assert [i + 1 for i, sync in enumerate(bmuf) if sync] == [4, 9]
+    assert "| skipped steps |" in (tmp_path / "summary.md").read_text()
 
 
 def test_outputs_are_consistent(sim_run):
@@ -226,7 +271,7 @@ def test_outputs_are_consistent(sim_run):
     bfb = [r for r in all_recs if r["algorithm"] == "bfb"]
     elements = tree_nbytes(GaussianMixtureTask(load_config(QUICKSTART)).init_params()) // 4
     padded = -(-elements // WORKERS) * WORKERS * 4
-    assert all(r["bytes_sent"] == 2 * (WORKERS - 1) * padded // WORKERS for r in bfb)
+    assert all(r["bytes_sent"] == 2 * (WORKERS - 1) * padded // WORKERS + FLAG for r in bfb)
     np.testing.assert_allclose([r["loss"] for r in bfb], [r["loss"] for r in recs], rtol=1e-5)
 
 
@@ -339,20 +384,23 @@ def test_bmuf_wire_bytes(sim_run):
     n_elem = nbytes // 4
     sync = [step % BLOCK == 0 for step in range(1, STEPS + 1)]
 
-    # BMUF: nothing inside a block; a ring all-reduce of the params among all 4 workers.
+    # BMUF: only the non-finite flag inside a block; a ring all-reduce of the params among
+    # all 4 workers on block steps.
     ring = 2 * (WORKERS - 1) * nbytes // WORKERS
     bmuf = [r for r in recs if r["algorithm"] == "bmuf"]
-    assert [r["bytes_sent"] for r in bmuf] == [ring if s else 0 for s in sync]
-    assert [r["bytes_received"] for r in bmuf] == [ring if s else 0 for s in sync]
+    assert [r["bytes_sent"] for r in bmuf] == [FLAG + (ring if s else 0) for s in sync]
+    assert [r["bytes_received"] for r in bmuf] == [FLAG + (ring if s else 0) for s in sync]
 
     # BMUF_GTC: every step GTC's all-gather inside the group of 2 (capacity words plus a
-    # header, int32); on sync steps the all-reduce of the params between the 2 groups.
+    # header, int32); on sync steps the all-reduce of the params between the 2 groups; the
+    # flag summed within the group, then across groups.
     cap = round(load_config(QUICKSTART).gtc_capacity * n_elem)
     gtc_bytes = (GROUP - 1) * 4 * (cap + 1)
     groups = WORKERS // GROUP
     across = 2 * (groups - 1) * nbytes // groups
     two = [r for r in recs if r["algorithm"] == "bmuf_gtc"]
-    expect = [gtc_bytes + (across if s else 0) for s in sync]
+    flag = all_reduce_bytes(4, GROUP)[0] + all_reduce_bytes(4, groups)[0]
+    expect = [flag + gtc_bytes + (across if s else 0) for s in sync]
     assert [r["bytes_sent"] for r in two] == expect
     assert [r["bytes_received"] for r in two] == expect
     assert two[-1]["mb_sent"] == pytest.approx(sum(expect) / 1e6, rel=1e-12)
@@ -374,7 +422,7 @@ def test_bmuf_evaluates_the_global_model():
 
 
 def test_evaluated_params_picks_the_global_model():
-    state = lambda filtered: BMUFState((), "W_g", None, filtered, 0, 0, None)
+    state = lambda filtered: BMUFState((), "W_g", None, filtered, 0, 0, 0, None)
     assert evaluated_params("params", (optax.EmptyState(),)) == "params"
     assert evaluated_params("params", (optax.EmptyState(), state(None))) == "W_g"
     assert evaluated_params("params", {"bmuf": state("W")}) == "W"  # nbm="chen_huo"
