@@ -192,7 +192,7 @@ def test_raise_error_class():
 def test_none_policy_lets_nan_through():
     # No check: the mean is NaN on every worker; GTC keeps the NaN in the bad worker's
     # residual (|NaN| > tau is false, so it is never sent) for ever.
-    for rank, (p, *_) in run("allreduce_gradients", poisoned(np.nan), nonfinite=None).items():
+    for p, *_ in run("allreduce_gradients", poisoned(np.nan), nonfinite=None).values():
         assert np.isnan(p["w"][1, 2])
     for rank, (p, s, *_) in run("gtc", poisoned(np.nan), nonfinite=None).items():
         assert np.isnan(s[0].residual["w"][1, 2]) == (rank == BAD_WORKER)
