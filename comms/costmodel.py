@@ -625,8 +625,9 @@ def step_comm_time(
     ``"hierarchical"`` (intra reduce-scatter + inter all-reduce + intra all-gather, for a
     group of whole nodes); an all-reduce of at most `SHORT_ALL_REDUCE` bytes is
     latency-bound and always takes `recursive_doubling_all_reduce`. A "ps" event
-    (parameter servers, as many server nodes as worker nodes) is Herring's scheme on a group of whole nodes (intra reduce-scatter, node <->
-    servers, intra all-gather; `hierarchical_ps`), else the flat formula; ``ps`` picks
+    (parameter servers, as many server nodes as worker nodes) is Herring's scheme on a
+    group of whole nodes (intra reduce-scatter, node <-> servers, intra all-gather;
+    `hierarchical_ps`), else the flat formula; ``ps`` picks
     ``"pipelined"`` (Herring) or ``"naive"``. A group of one worker costs nothing, except
     "ps", whose push and pull happen whatever the number of workers.
     """
