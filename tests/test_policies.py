@@ -80,9 +80,7 @@ def test_runner_switches_from_full_to_partial_exchange():
         jax.tree_util.keystr(k): v.size * 4 for k, v in jax.tree_util.tree_leaves_with_path(params0)
     }
     bin_bytes = [sum(leaf_bytes[p] for p in b) for b in bins]
-    partial = [
-        2 * (WORKERS - 1) * bin_bytes[t % len(bins)] // WORKERS + flag for t in range(STEPS)
-    ]
+    partial = [2 * (WORKERS - 1) * bin_bytes[t % len(bins)] // WORKERS + flag for t in range(STEPS)]
     assert [r["bytes_sent"] for r in recs] == [full] * EVERY + partial[: STEPS - EVERY]
 
     coll = SimBackend(WORKERS).collective

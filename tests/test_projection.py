@@ -20,6 +20,15 @@ CFG = apply_overrides(load_config(QUICKSTART), ["steps=20", "project_workers=64"
 TASK = GaussianMixtureTask(CFG)
 N = tree_nbytes(TASK.init_params())
 CLUSTER = Cluster.preset("v100-nvlink-25gbps", 8)  # 64 workers
+# Every step first all-reduces the non-finite flag, one int32 over all 64 workers: a short
+# message, so recursive doubling over the inter-node link, log2(64) = 6 rounds of
+# alpha + 4 beta + 4 gamma.
+FLAG = Event("all_reduce", "world", 4)
+FLAG_S = 6 * (CLUSTER.inter_latency + 4 / CLUSTER.inter_bandwidth + 4 * CLUSTER.gamma)
+
+
+def test_flag_is_a_short_all_reduce():
+    assert step_comm_time([FLAG], CLUSTER) == pytest.approx(FLAG_S)
 
 
 def test_ssgd_is_one_ring_all_reduce_per_step():
@@ -29,7 +38,7 @@ def test_ssgd_is_one_ring_all_reduce_per_step():
     # The model's flat ring over 64 workers is limited by the 25 Gbps link between nodes.
     assert want == pytest.approx(ring_all_reduce(N, 64, c.inter_latency, 1 / c.inter_bandwidth,
                                                  c.gamma))  # fmt: skip
-    assert got["projected_comm_ms"] == pytest.approx(1e3 * want)
+    assert got["projected_comm_ms"] == pytest.approx(1e3 * (FLAG_S + want))
     assert got["projected_ms"] == pytest.approx(got["projected_comm_ms"] + got["compute_ms"])
     assert 0 < got["compute_ms"] < 1e3
 
@@ -38,7 +47,8 @@ def test_bmuf_pays_once_per_block():
     block = CFG.block_size  # 10: steps 10 and 20 synchronise
     got = project_run(CFG, "bmuf", TASK, [])
     one = step_comm_time([Event("all_reduce", "world", N)], CLUSTER)
-    assert got["projected_comm_ms"] == pytest.approx(1e3 * one / block)
+    # The flag every step, the model once per block.
+    assert got["projected_comm_ms"] == pytest.approx(1e3 * (FLAG_S + one / block))
 
 
 def test_policy_changes_apply_from_the_next_step():
@@ -50,7 +60,8 @@ def test_policy_changes_apply_from_the_next_step():
             range(15)]  # fmt: skip
     # The noise scale's squared norm rides in the gradient's all-reduce.
     full = step_comm_time([Event("all_reduce", "world", N + 4)], CLUSTER)
-    assert got["projected_comm_ms"] == pytest.approx(1e3 * (5 * full + sum(part)) / 20)
+    # Plus the non-finite flag on each of the 20 steps.
+    assert got["projected_comm_ms"] == pytest.approx(1e3 * (FLAG_S + (5 * full + sum(part)) / 20))
 
 
 def _leaf_bytes():
