@@ -85,7 +85,7 @@ CASES = {
         threshold=0.05,
         capacity=4,
         nonfinite=nf,
-    ),  # fmt: skip
+    ),
 }
 TWO_TIER = {"bmuf_gtc": 2}  # group size
 # Bytes of the skipped step: the flag's all-reduce; GTC's flag rides in its all-gather
