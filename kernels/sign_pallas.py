@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from shoal.kernels.sign_reference import negative_bits
+
 __all__ = ["ROWS", "sign_pack_pallas", "sign_unpack_pallas"]
 
 ROWS = 512  # bytes per program (4096 values): a power of two, as Triton requires
@@ -37,7 +39,7 @@ def _pack_kernel(x_ref, out_ref, *, rows):
     valid = _valid_rows(rows, 0)
     x = plgpu.load(x_ref, mask=valid[:, None], other=0.0)
     lane = lax.broadcasted_iota(jnp.int32, (ROWS, 8), 1)
-    neg = jnp.where(x >= 0, 0, 1)  # not v >= 0: NaN is negative, +-0 are not
+    neg = jnp.where(negative_bits(x), 1, 0)  # NaN is negative, +-0 are not
     byte = jnp.sum(neg << lane, axis=1)
     plgpu.store(out_ref, byte.astype(jnp.uint8), mask=valid)
 

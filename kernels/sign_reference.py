@@ -16,19 +16,36 @@ from jax import lax
 __all__ = ["rms", "sign_pack_reference", "sign_unpack_reference"]
 
 
+# Below this largest magnitude the float32 squares approach the subnormal range.
+_TINY = 2.0**-60
+
+
 def rms(values: jax.Array) -> jax.Array:
     """``sqrt(sum(v * v) / n)`` over the last axis: the scale both implementations share.
 
     It is a global reduction, so it stays in XLA for either implementation (the kernels
-    then agree bit for bit).
+    then agree bit for bit). ``v * v`` overflows float32 when ``|v|`` exceeds ~1.8e19 and
+    underflows below ~1e-19; then (only then, so ordinary values keep these exact bits)
+    the RMS is taken of ``v / max|v|`` and scaled back by ``max|v|``.
     """
-    n = values.shape[-1]
-    return jnp.sqrt(jnp.sum(values * values, axis=-1) / jnp.float32(n))
+    n = jnp.float32(values.shape[-1])
+    plain = jnp.sqrt(jnp.sum(values * values, axis=-1) / n)
+    top = jnp.max(jnp.abs(values), axis=-1)
+    extreme = jnp.isfinite(top) & (jnp.isinf(plain) | ((top > 0) & (top < _TINY)))
+
+    def rescaled():
+        unit = values / jnp.where(extreme, top, 1.0)[..., None]
+        return jnp.where(extreme, top * jnp.sqrt(jnp.sum(unit * unit, axis=-1) / n), plain)
+
+    return lax.cond(jnp.any(extreme), rescaled, lambda: plain)
 
 
 def negative_bits(values: jax.Array) -> jax.Array:
-    # `not v >= 0` rather than `v < 0`: the issue defines sign(v) = +1 iff v >= 0.
-    return jnp.logical_not(values >= 0)
+    """``not v >= 0`` (the issue defines sign(v) = +1 iff v >= 0), decided on the bits:
+    XLA:CPU compares subnormals as zero, which would make a negative subnormal "+"."""
+    bits = lax.bitcast_convert_type(values, jnp.int32)
+    magnitude = bits & 0x7FFFFFFF
+    return ((bits < 0) & (magnitude != 0)) | (magnitude > 0x7F800000)  # v < 0, or NaN
 
 
 def sign_pack_reference(values: jax.Array) -> jax.Array:

@@ -166,14 +166,18 @@ The counts follow `shoal.comms.wire`'s rules for $n$ float32 parameters on $N$ w
 a ring all-reduce sends $2(N-1)/N \cdot 4n$ bytes, GTC's all-gather $(N-1)$ buffers of
 $4(c + 1)$ bytes (a header and $c$ = 8% of $n$ words), BMUF one all-reduce every 10th
 step, 1-bit LAMB a dense all-reduce during the warm-up and about 1 bit per element after.
+Every step also all-reduces one int32, the count of workers whose gradient was not finite
+(`shoal.optim.nonfinite`: such a step is skipped on every worker); GTC carries that flag
+in its header instead.
 """),
     code("""
 dense = 2 * (N - 1) * 4 * n_params // N
+flag = 2 * (N - 1) * 4 // N
 expected = {
-    "ssgd": {dense},
+    "ssgd": {dense + flag},
     "gtc": {(N - 1) * 4 * (round(0.08 * n_params) + 1)},
-    "bmuf": {0, dense},
-    "onebit_lamb": {dense, compressed_allreduce_bytes(n_params, N)[0]},
+    "bmuf": {flag, dense + flag},
+    "onebit_lamb": {dense + flag, compressed_allreduce_bytes(n_params, N)[0] + flag},
 }
 for name, want in expected.items():
     seen = set(runs[name]["bytes"].tolist())
@@ -346,7 +350,8 @@ for label, r in runs.items():
 """),
     md(r"""
 Two checks: group size 1 is BMUF, bit for bit (a group of one has nothing to exchange);
-and the bytes are exactly the formula above.
+and the bytes are exactly the formula above, plus the non-finite flag (one int32
+all-reduced in the group, then across groups, every step: `shoal.optim.nonfinite`).
 """),
     code("""
 bmuf_losses = [rec["loss"] for rec in runs["BMUF"].records]
@@ -358,6 +363,8 @@ capacity_words = max(1, round(cfg.gtc_capacity * n_params))
 def predicted_bytes(p):
     m = WORKERS // p
     lower = (p - 1) * 4 * (capacity_words + 1)  # every step
+    # and every step the non-finite flag (one int32), summed in the group, then across
+    lower += 2 * (p - 1) * 4 // p + 2 * (m - 1) * 4 // m
     upper = 2 * (m - 1) * 4 * n_params // m  # every block_size-th step
     return steps * lower, steps // cfg.block_size * upper
 
