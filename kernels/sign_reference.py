@@ -16,7 +16,7 @@ from jax import lax
 __all__ = ["rms", "sign_pack_reference", "sign_unpack_reference"]
 
 
-# Below this largest magnitude the float32 squares approach the subnormal range.
+# Below this RMS the float32 squares of the values approach the subnormal range.
 _TINY = 2.0**-60
 
 
@@ -25,19 +25,23 @@ def rms(values: jax.Array) -> jax.Array:
 
     It is a global reduction, so it stays in XLA for either implementation (the kernels
     then agree bit for bit). ``v * v`` overflows float32 when ``|v|`` exceeds ~1.8e19 and
-    underflows below ~1e-19; then (only then, so ordinary values keep these exact bits)
-    the RMS is taken of ``v / max|v|`` and scaled back by ``max|v|``.
+    underflows below ~1e-19; only then (the plain result is inf, or below 2^-60) is the
+    RMS taken again of ``v / max|v|`` and scaled back, so ordinary values cost one pass
+    and keep these exact bits.
     """
     n = jnp.float32(values.shape[-1])
     plain = jnp.sqrt(jnp.sum(values * values, axis=-1) / n)
-    top = jnp.max(jnp.abs(values), axis=-1)
-    extreme = jnp.isfinite(top) & (jnp.isinf(plain) | ((top > 0) & (top < _TINY)))
 
     def rescaled():
-        unit = values / jnp.where(extreme, top, 1.0)[..., None]
-        return jnp.where(extreme, top * jnp.sqrt(jnp.sum(unit * unit, axis=-1) / n), plain)
+        top = jnp.max(jnp.abs(values), axis=-1)
+        # An Inf input makes inf the right answer; a zero row stays 0.
+        redo = jnp.isfinite(top) & (top > 0)
+        unit = values / jnp.where(redo, top, 1.0)[..., None]
+        again = top * jnp.sqrt(jnp.sum(unit * unit, axis=-1) / n)
+        return jnp.where(redo & (jnp.isinf(plain) | (plain < _TINY)), again, plain)
 
-    return lax.cond(jnp.any(extreme), rescaled, lambda: plain)
+    suspect = jnp.isinf(plain) | (plain < _TINY)  # False for NaN
+    return lax.cond(jnp.any(suspect), rescaled, lambda: plain)
 
 
 def negative_bits(values: jax.Array) -> jax.Array:
