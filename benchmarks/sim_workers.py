@@ -7,9 +7,10 @@ For each N, two jitted steps of the quickstart model (`experiments/configs/quick
 an MLP on the Gaussian mixture), timed in the same run:
 
 * (a) ``sim``: the S-SGD step of N simulated workers, as the runner compiles it
-  (``SimBackend(N).spmd(make_step(loss, ssgd))``: ``jax.vmap`` over the workers, each on
-  ``batch_size`` examples, gradients averaged by the `AxisCollective` all-reduce, then
-  SGD with momentum on every worker's copy of the model);
+  (``SimBackend(N).spmd(make_step(loss, algorithms.build("ssgd", ...)))``: ``jax.vmap``
+  over the workers, each on ``batch_size`` examples, the non-finite check, gradients
+  averaged by the `AxisCollective` all-reduce, then SGD with momentum on every worker's
+  copy of the model);
 * (b) ``one``: one worker (plain ``jax.jit``, no vmap, no collective) on the same N x
   ``batch_size`` examples concatenated, with the same SGD with momentum.
 
@@ -32,7 +33,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shoal.experiments.algorithms import local_sgd, ssgd
+from shoal.experiments import algorithms
+from shoal.experiments.algorithms import local_sgd
 from shoal.experiments.backends import SimBackend
 from shoal.experiments.config import apply_overrides, load_config
 from shoal.experiments.tasks import GaussianMixtureTask
@@ -75,7 +77,8 @@ def _check_equal(sim_params, one_params, n: int) -> float:
 
 def bench(task, cfg, n: int, reps: int, block: int) -> dict:
     backend = SimBackend(n)
-    sim_step = backend.spmd(make_step(task.loss, ssgd(cfg, backend.collective)))
+    sim_tx = algorithms.build("ssgd", cfg, backend.collective)  # with the non-finite check
+    sim_step = backend.spmd(make_step(task.loss, sim_tx))
     one_tx = local_sgd(cfg)
     one_step = jax.jit(make_step(task.loss, one_tx))
 
@@ -86,7 +89,7 @@ def bench(task, cfg, n: int, reps: int, block: int) -> dict:
     one_y = jax.device_put(y.reshape(n * y.shape[1]))
 
     sim_params = backend.replicate(params0)
-    sim_state = (sim_params, backend.spmd(ssgd(cfg, backend.collective).init)(sim_params))
+    sim_state = (sim_params, backend.spmd(sim_tx.init)(sim_params))
     one_state = (params0, one_tx.init(params0))
 
     # Compile, and check one step of each against the other (untimed).
