@@ -68,7 +68,7 @@ def committed(folder: Path) -> dict[int, list[Path]]:
 
 def kill_mid_run(out: Path, victim: int, servers: int, workers: int, algorithm: str):
     """Start the job, SIGKILL rank ``victim`` once every worker has a checkpoint, and
-    return (exit code, seconds from the kill to the job's end, checkpoint folder)."""
+    return (exit code, seconds from the kill to the job's end, checkpoint folder, log)."""
     folder = out / "checkpoints" / algorithm
     job = subprocess.Popen(command(out, servers=servers, algorithm=algorithm), env=env(),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
