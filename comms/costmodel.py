@@ -294,6 +294,16 @@ class Link:
         return Link(self.latency, self.bandwidth / _check_count("streams", streams))
 
 
+def _intra_scatter_gather(n: float, g: int, intra: Link, gamma: float) -> float:
+    """The in-node ends of the two-level schemes: ring reduce-scatter of ``n`` bytes over the
+    node's ``g`` workers, and the all-gather that undoes it::
+
+        RS_intra + AG_intra = 2 (g-1) alpha_i + 2 (g-1)/g n beta_i + (g-1)/g n gamma
+    """
+    fg = (g - 1) / g
+    return 2 * (g - 1) * intra.alpha + 2 * fg * n * intra.beta + fg * n * gamma
+
+
 def hierarchical_all_reduce(
     n: float, nodes: int, per_node: int, intra: Link, inter: Link, gamma: float = 0.0
 ) -> float:
@@ -316,11 +326,8 @@ def hierarchical_all_reduce(
     n = _check_real("n", n)
     m, g = _check_count("nodes", nodes), _check_count("per_node", per_node)
     gamma = _check_real("gamma", gamma)
-    fg = (g - 1) / g
-    rs = (g - 1) * intra.alpha + fg * n * intra.beta + fg * n * gamma
-    ag = (g - 1) * intra.alpha + fg * n * intra.beta
     ar = ring_all_reduce(n / g, m, inter.alpha, inter.shared(g).beta, gamma)
-    return rs + ar + ag
+    return _intra_scatter_gather(n, g, intra, gamma) + ar
 
 
 def hierarchical_ps(
@@ -348,14 +355,11 @@ def hierarchical_ps(
     n = _check_real("n", n)
     m, g = _check_count("nodes", nodes), _check_count("per_node", per_node)
     gamma = _check_real("gamma", gamma)
-    fg = (g - 1) / g
-    rs = (g - 1) * intra.alpha + fg * n * intra.beta + fg * n * gamma
-    ag = (g - 1) * intra.alpha + fg * n * intra.beta
     if pipelined:
         ps = ps_pipelined(n, m, inter.alpha, inter.beta, gamma, segment)
     else:
         ps = ps_naive(n, m, inter.alpha, inter.beta, gamma)
-    return rs + ps + ag
+    return _intra_scatter_gather(n, g, intra, gamma) + ps
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class RecordingCollective:
 
     def _emit(self, kind: str, nbytes: int) -> None:
         if self.size > 1:  # one worker talks to nobody
-            event = (kind, self.group, int(nbytes), self.size)
+            event = (kind, self.group, int(nbytes))
             jax.debug.callback(functools.partial(_append, self.log, event), ordered=True)
 
     def rank(self) -> jax.Array:
@@ -162,6 +162,5 @@ def record_events(
         if entry == _STEP:
             out.append([])
         else:
-            kind, group, nbytes, _ = entry
-            out[-1].append(Event(kind, group, nbytes))
+            out[-1].append(Event(*entry))
     return out

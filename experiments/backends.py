@@ -89,7 +89,33 @@ class SimBackend:
         return jax.tree.map(lambda a: np.asarray(a).sum(0) / np.float32(self.size), params)
 
 
-class MPIBackend:
+class _HostComm:
+    """Host-side traffic of the multi-process backends, on ``self.comm`` (an mpi4py
+    communicator of their own, so it never interleaves with the algorithms' traffic)."""
+
+    def share(self, obj: Any) -> Any:
+        """The root's host value ``obj`` on every process (a pickled broadcast)."""
+        return self.comm.bcast(obj, root=0)
+
+    def _mean_at_root(self, local_sum: Any) -> Any:
+        """The mean over all workers at the root (None elsewhere): this process's sum of
+        its workers' values, summed across processes in float32 with one ``Reduce``, then
+        divided."""
+        flat, unravel = ravel_pytree(local_sum)
+        flat = np.ascontiguousarray(np.asarray(flat))
+        total = np.empty_like(flat) if self.is_root else None
+        self.comm.Reduce(flat, total, op=self._MPI.SUM, root=0)
+        if not self.is_root:
+            return None
+        return unravel(jnp.asarray(total / np.float32(self.size)))
+
+    def abort(self, code: int = 1) -> None:
+        """Stop every process: one process's exception must not leave the others in a
+        collective."""
+        self._MPI.COMM_WORLD.Abort(code)
+
+
+class MPIBackend(_HostComm):
     """One worker per MPI rank (launch with ``mpiexec -n N``); the world size is the
     number of workers. Metrics reach rank 0 through host-side mpi4py calls on a
     communicator of their own, so they never interleave with the algorithms' traffic.
@@ -149,19 +175,11 @@ class MPIBackend:
             return None
         return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
-    def share(self, obj: Any) -> Any:
-        """The root's host value ``obj`` on every rank (a pickled broadcast)."""
-        return self.comm.bcast(obj, root=0)
-
     def mean_params(self, params: Any) -> Any:
-        return _mean_at_root(self, params)
-
-    def abort(self, code: int = 1) -> None:
-        """Stop every rank: one rank's exception must not leave the others in a collective."""
-        self._MPI.COMM_WORLD.Abort(code)
+        return self._mean_at_root(params)
 
 
-class JaxBackend:
+class JaxBackend(_HostComm):
     """One worker per device of a ``jax.distributed`` job, launched by ``mpiexec`` (its
     cluster detection through mpi4py): gloo collectives on CPU (one device per process),
     NCCL on GPU nodes (every local GPU a worker). The workers are the devices of a mesh
@@ -272,31 +290,10 @@ class JaxBackend:
         rows = jax.tree.map(lambda *xs: np.concatenate(xs), *[t for _, t in parts])
         return jax.tree.map(lambda a: a[order], rows)
 
-    def share(self, obj: Any) -> Any:
-        """The root's host value ``obj`` on every process (a pickled broadcast)."""
-        return self.comm.bcast(obj, root=0)
-
     def mean_params(self, params: Any) -> Any:
         # Sum then divide, in float32, as the other backends do: this process's rows, then
         # across processes to the root (evaluation is rare; the model comes to the host).
-        return _mean_at_root(self, jax.tree.map(lambda a: a.sum(0), self.stacked(params)))
-
-    def abort(self, code: int = 1) -> None:
-        """Stop every process: one process's exception must not leave the others in a
-        collective."""
-        self._MPI.COMM_WORLD.Abort(code)
-
-
-def _mean_at_root(backend, local_sum: Any) -> Any:
-    """The mean over all workers at the root (None elsewhere): this process's sum of its
-    workers' values, summed across processes in float32 with one ``Reduce``, then divided."""
-    flat, unravel = ravel_pytree(local_sum)
-    flat = np.ascontiguousarray(np.asarray(flat))
-    total = np.empty_like(flat) if backend.is_root else None
-    backend.comm.Reduce(flat, total, op=backend._MPI.SUM, root=0)
-    if not backend.is_root:
-        return None
-    return unravel(jnp.asarray(total / np.float32(backend.size)))
+        return self._mean_at_root(jax.tree.map(lambda a: a.sum(0), self.stacked(params)))
 
 
 def make_backend(name: str, workers: int | None = None, servers: int = 0):

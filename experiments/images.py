@@ -162,6 +162,14 @@ def _max_pool_2x2(x):
     return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
+def _conv_stages(x, channels: tuple[int, ...]):
+    """3x3 convolution + ReLU + 2x2 max-pool per entry of ``channels``, then flattened:
+    the feature extractor `CNN` and `EvenCNN` share (called inside their ``compact``)."""
+    for c in channels:
+        x = _max_pool_2x2(nn.relu(nn.Conv(c, (3, 3), padding="SAME")(x)))
+    return x.reshape(x.shape[0], -1)
+
+
 class CNN(nn.Module):
     """Two 3x3 convolution + ReLU + 2x2 max-pool stages (``channels``), then ReLU dense
     layers of the ``hidden`` widths and ``num_classes`` logits."""
@@ -172,9 +180,7 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [batch, height, width, 1] -> [batch, classes]
-        for c in self.channels:
-            x = _max_pool_2x2(nn.relu(nn.Conv(c, (3, 3), padding="SAME")(x)))
-        x = x.reshape(x.shape[0], -1)
+        x = _conv_stages(x, self.channels)
         for width in self.hidden:
             x = nn.relu(nn.Dense(width)(x))
         return nn.Dense(self.num_classes)(x)
@@ -209,9 +215,7 @@ class EvenCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [batch, height, width, 1] -> [batch, classes]
-        for c in self.channels:
-            x = _max_pool_2x2(nn.relu(nn.Conv(c, (3, 3), padding="SAME")(x)))
-        x = nn.relu(BlockDense(self.hidden, self.blocks)(x.reshape(x.shape[0], -1)))
+        x = nn.relu(BlockDense(self.hidden, self.blocks)(_conv_stages(x, self.channels)))
         return nn.Dense(self.num_classes)(x)
 
 
