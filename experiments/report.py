@@ -365,9 +365,9 @@ def write_run(
     plot_loss(paths[2], records, "step", "step")
     plot_loss(paths[3], records, "mb_sent", "MB sent per worker (cumulative)")
     plot_accuracy(paths[4], records)
-    extra = policy_section(records) + projection_section(cfg, summaries)
-    extra += onebit_section(cfg, records, summaries)
-    if extra:
+    onebit = onebit_section(cfg, records, summaries)
+    extra = policy_section(records) + projection_section(cfg, summaries) + onebit
+    if onebit:  # the section shows this plot
         paths.append(out / SAMPLES_PLOT)
         plot_test_vs_samples(paths[-1], cfg, records)
     info = getattr(task, "corpus_info", None)
