@@ -107,7 +107,8 @@ def _show(cmd: list[str]) -> str:
     return (f"JAX_PLATFORMS={env} " if env else "") + shlex.join(words)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -143,7 +144,7 @@ def _versions() -> str:
 
 
 def machine() -> str:
-    return f"{_cpu_model()}, {os.cpu_count()} cores{_memory_gib()}, {_versions()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores{_memory_gib()}, {_versions()}"
 
 
 def run(name: str, timeout: int) -> Result:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from run_all import cpu_model  # benchmarks/ is on sys.path when this runs as a script
 
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import local_sgd
@@ -41,16 +41,6 @@ from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.experiments.train import make_step
 
 CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _time_block(step_fn, state, x, y, block: int):
@@ -151,7 +141,7 @@ def main() -> None:
         f"{args.reps} reps x {args.block} steps, interleaved"
     )
     print(
-        f"machine: {_cpu_name()}, {os.cpu_count()} cores, backend={jax.default_backend()}, "
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, backend={jax.default_backend()}, "
         f"jax {jax.__version__}, load average (1 min) {load_start[0]:.2f} at start, "
         f"{load_end[0]:.2f} at end; total {wall:.1f} s"
     )
