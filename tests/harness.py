@@ -9,13 +9,19 @@ process can see, so a test checks every worker it has against its oracle.
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import jax
+import numpy as np
 
 from shoal.comms import AxisCollective, two_tier
 
 N_WORKERS = 4
+QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 
 
 def mpi_size() -> int:
@@ -80,3 +86,33 @@ def run_two_tier(fn, group_size, *stacked_args):
     grouped = jax.tree.map(lambda a: a.reshape(groups, group_size, *a.shape[1:]), stacked_args)
     y = jax.jit(nested)(*grouped)
     return {w: jax.tree.map(lambda a, w=w: a[w // group_size, w % group_size], y) for w in range(n)}
+
+
+def mpiexec() -> str | None:
+    """The venv's mpiexec (next to this python), else the one on PATH, else None."""
+    venv = Path(sys.executable).parent / "mpiexec"
+    return str(venv) if venv.exists() else shutil.which("mpiexec")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def assert_same_run(other: list[dict], sim: list[dict], runs: int) -> None:
+    """Metrics of a multi-process run (MPI, jax.distributed) against the simulated run of
+    the same config: ``runs`` algorithms evaluated 3 times each (steps 5, 10 and the last);
+    losses and test metrics allclose (the reductions add in another order), steps and
+    bytes identical."""
+    assert len(other) == len(sim)
+    np.testing.assert_allclose([r["loss"] for r in other], [r["loss"] for r in sim], rtol=1e-5)
+    for key in ("test_loss", "test_accuracy"):
+        s = [r[key] for r in sim if key in r]
+        o = [r[key] for r in other if key in r]
+        assert len(s) == len(o) == 3 * runs
+        np.testing.assert_allclose(o, s, rtol=1e-5, err_msg=key)
+    for key in ("algorithm", "step", "bytes_sent", "bytes_received", "mb_sent", "mb_received"):
+        assert [r[key] for r in other] == [r[key] for r in sim], key
+    np.testing.assert_allclose(
+        [r["density"] for r in other if "density" in r],
+        [r["density"] for r in sim if "density" in r],
+    )

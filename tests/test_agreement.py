@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from harness import UNDER_MPI
+from harness import UNDER_MPI, mpiexec
 
 from shoal.comms import AxisCollective, check_same_structure
 
@@ -17,8 +17,8 @@ JOB = Path(__file__).parent / "jobs" / "mismatch.py"
 
 @pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec job")
 def test_mismatched_workers_are_refused_at_init(tmp_path):
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
+    exe = mpiexec()
+    if exe is None:
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [str(exe), "-n", "2", sys.executable, str(JOB), str(tmp_path)]

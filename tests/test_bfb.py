@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from harness import UNDER_MPI, my_ranks, n_workers, run_workers, world
+from harness import UNDER_MPI, mpiexec, my_ranks, n_workers, run_workers, world
 
 from shoal.comms import (
     AxisCollective,
@@ -236,11 +236,6 @@ def test_bad_bfb_arguments():
         jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="workers")(
             {"i": np.zeros((4, 3), np.int32)}
         )
-
-
-def mpiexec() -> str | None:
-    exe = Path(sys.executable).parent / "mpiexec"
-    return str(exe) if exe.exists() else None
 
 
 JOB = Path(__file__).parent / "jobs" / "bfb_servers.py"

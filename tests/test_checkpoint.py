@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import serialization
+from harness import QUICKSTART, mpiexec
 
 from shoal.experiments.checkpoint import Checkpointer
 from shoal.experiments.cli import main
@@ -25,7 +26,6 @@ from shoal.experiments.train import train
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner tests start their own MPI")
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "sma",
               "adaptive")  # fmt: skip
 STEPS, HALF = 8, 4
@@ -184,8 +184,8 @@ def test_mpi_resume_per_rank(tmp_path):
     """mpiexec -n 4: gtc finishes, bmuf_gtc stops at step 4, --resume skips gtc and
     continues bmuf_gtc; outputs and every rank's final checkpoint equal the uninterrupted
     MPI job's."""
-    exe = Path(sys.executable).parent / "mpiexec"
-    if not exe.exists():
+    exe = mpiexec()
+    if exe is None:
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     algos = ("gtc", "bmuf_gtc")

@@ -7,13 +7,13 @@ a subprocess, where an uncaught exception would really print a traceback."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import harness
 import pytest
 
 from shoal.experiments.cli import main
 
-QUICKSTART = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py")
+QUICKSTART = str(harness.QUICKSTART)
 PREFIX = "shoal-run: error:"
 
 # (argv after the config, words the error line must contain)

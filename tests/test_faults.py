@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import UNDER_MPI
-from test_runner import QUICKSTART, mpiexec
+from harness import QUICKSTART, UNDER_MPI, mpiexec
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec jobs")
 

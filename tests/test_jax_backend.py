@@ -4,24 +4,20 @@ out as the simulation does."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import harness
-import numpy as np
 import pytest
+from harness import QUICKSTART, assert_same_run, mpiexec, read_jsonl
 
 from shoal.experiments.cli import main
 
 # Each test starts its own jax.distributed job under mpiexec.
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start their own MPI")
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 WORKERS = 4
 STEPS = 12
 ALGORITHMS = ("ssgd", "gtc", "bmuf_gtc", "pgx")  # flat, sparse, two-tier, partial
@@ -30,13 +26,8 @@ SMALL = ["--workers", str(WORKERS), "--no-progress", "--set", f"steps={STEPS}", 
          "project_workers=0"]  # fmt: skip
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    venv = Path(sys.executable).parent / "mpiexec"
-    exe = str(venv) if venv.exists() else shutil.which("mpiexec")
+    exe = mpiexec()
     if exe is None:
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -53,18 +44,7 @@ def test_jax_backend_matches_sim(tmp_path):
             "--out", str(jax_out)])  # fmt: skip
     sim, dist = read_jsonl(sim_out / "metrics.jsonl"), read_jsonl(jax_out / "metrics.jsonl")
     assert len(dist) == len(sim) == STEPS * len(ALGORITHMS)
-    np.testing.assert_allclose([r["loss"] for r in dist], [r["loss"] for r in sim], rtol=1e-5)
-    for key in ("test_loss", "test_accuracy"):
-        s = [r[key] for r in sim if key in r]
-        d = [r[key] for r in dist if key in r]
-        assert len(s) == len(d) == 3 * len(ALGORITHMS)  # steps 5, 10 and the last
-        np.testing.assert_allclose(d, s, rtol=1e-5, err_msg=key)
-    for key in ("algorithm", "step", "bytes_sent", "bytes_received", "mb_sent", "mb_received"):
-        assert [r[key] for r in dist] == [r[key] for r in sim], key
-    np.testing.assert_allclose(
-        [r["density"] for r in dist if "density" in r],
-        [r["density"] for r in sim if "density" in r],
-    )
+    assert_same_run(dist, sim, len(ALGORITHMS))
     summary = (jax_out / "summary.md").read_text()
     assert "backend `jax`" in summary
     assert f"mpiexec -n {WORKERS} shoal-run" in summary

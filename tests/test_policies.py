@@ -1,13 +1,12 @@
 """Closed-loop adaptation: the noise-scale policy, carrying optimizer state across a
 switch, and the runner applying a switch mid-run (checked against a hand-made run)."""
 
-from pathlib import Path
-
 import harness
 import jax
 import numpy as np
 import optax
 import pytest
+from harness import QUICKSTART
 
 from shoal.comms import tree_nbytes
 from shoal.experiments.backends import SimBackend
@@ -19,7 +18,6 @@ from shoal.optim import gradient_noise_scale, partial_exchange, pgx_partition
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process runner tests")
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 WORKERS, STEPS, EVERY = 4, 10, 4
 
 

@@ -1,10 +1,9 @@
 """Projecting a run to a cluster: per-step collectives replayed for many workers, timed by
 the cost model (whose formulas tests/test_costmodel.py checks by hand)."""
 
-from pathlib import Path
-
 import harness
 import pytest
+from harness import QUICKSTART
 
 from shoal.comms import Cluster, Event, step_comm_time, tree_nbytes
 from shoal.comms.costmodel import ring_all_reduce
@@ -15,7 +14,6 @@ from shoal.optim import pgx_partition
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process projection")
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 CFG = apply_overrides(load_config(QUICKSTART), ["steps=20", "project_workers=64"])
 TASK = GaussianMixtureTask(CFG)
 N = tree_nbytes(TASK.init_params())

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +17,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from harness import QUICKSTART, assert_same_run, mpiexec, read_jsonl
 
 from shoal.comms import tree_nbytes
 from shoal.comms.wire import all_reduce_bytes
@@ -41,7 +40,6 @@ from shoal.optim import BMUFState
 # of an outer mpiexec repeating them.
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner tests start their own MPI")
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 WORKERS = 4
 STEPS = 12
 BLOCK = 4
@@ -60,15 +58,6 @@ SETS = [
     "project_workers=0",
 ]  # fmt: skip  (tests/test_projection.py covers the projection)
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def mpiexec() -> str | None:
-    venv = Path(sys.executable).parent / "mpiexec"
-    return str(venv) if venv.exists() else shutil.which("mpiexec")
 
 
 @pytest.fixture(scope="module")
@@ -128,17 +117,7 @@ def test_mpi_backend_matches_sim(sim_run, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     sim, mpi = read_jsonl(sim_run / "metrics.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
     assert len(mpi) == len(sim) == STEPS * len(ALGORITHMS)
-    np.testing.assert_allclose([r["loss"] for r in mpi], [r["loss"] for r in sim], rtol=1e-5)
-    for key in ("test_loss", "test_accuracy"):
-        s = [r[key] for r in sim if key in r]
-        m = [r[key] for r in mpi if key in r]
-        assert len(s) == len(m) == 3 * len(ALGORITHMS)  # steps 5, 10 and the last
-        np.testing.assert_allclose(m, s, rtol=1e-5, err_msg=key)
-    for key in ("algorithm", "step", "bytes_sent", "bytes_received", "mb_sent", "mb_received"):
-        assert [r[key] for r in mpi] == [r[key] for r in sim], key
-    np.testing.assert_allclose(
-        [r["density"] for r in mpi if "density" in r], [r["density"] for r in sim if "density" in r]
-    )
+    assert_same_run(mpi, sim, len(ALGORITHMS))
     assert "backend `mpi`" in (tmp_path / "summary.md").read_text()
 
 
