@@ -9,9 +9,11 @@ Herring's Table III (``experiments/configs/herring_table3.py``), which need no w
 
 from __future__ import annotations
 
+import csv
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from shoal.experiments.config import ConfigError
 
@@ -44,3 +46,27 @@ def run_analysis(analysis: Analysis, out: Path) -> str:
                         f"(a str), got {type(summary).__name__}")  # fmt: skip
     (out / "summary.md").write_text(summary)
     return summary
+
+
+def write_rows_csv(
+    path: Path, rows: Sequence[dict[str, Any]], float_format: str | None = None
+) -> None:
+    """``rows`` (dicts with the same keys, in column order) as a CSV with a header; floats
+    through ``float_format`` (e.g. ``"{:.4f}"``) when given."""
+
+    def fmt(v):
+        return float_format.format(v) if float_format and isinstance(v, float) else v
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows({k: fmt(v) for k, v in r.items()} for r in rows)
+
+
+def markdown_table(heads: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A markdown table; ``align`` has one letter per column, "r" (right) or "l" (left);
+    columns without one are right-aligned."""
+    marks = ["---" if align[i : i + 1] == "l" else "---:" for i in range(len(heads))]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "|".join(marks) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -16,7 +16,6 @@ the rows for which the model claims to be within 2x.
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import numpy as np
 
 from shoal.comms import costmodel as cm
 from shoal.comms.costmodel import Event, cluster, step_comm_time
-from shoal.experiments.analysis import Analysis
+from shoal.experiments.analysis import Analysis, markdown_table, write_rows_csv
 
 # BERT-large: the papers' "340 million" parameters, fp16 gradients (1-bit LAMB, section 6:
 # "for FP16 training"; Herring: "680MB gradient update with fp16 communication").
@@ -131,21 +130,6 @@ def fit_ps(ms: Sequence[float], nodes: Sequence[int]) -> tuple[float, float]:
     return float(alpha), HERRING_BYTES / float(nbeta)
 
 
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    def fmt(v):
-        return f"{v:.4f}" if isinstance(v, float) else v
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows({k: fmt(v) for k, v in r.items()} for r in rows)
-
-
-def _md_table(heads: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
-
-
 def _presets_md() -> str:
     rows = []
     for name, p in cm.PRESETS.items():
@@ -154,20 +138,20 @@ def _presets_md() -> str:
                      f"{p['inter_latency'] * 1e6:g}", f"{1 / p['gamma'] / 1e9:g}"))  # fmt: skip
     heads = ("preset", "GPUs/node", "intra GB/s", "intra us", "inter Gbps", "inter us",
              "reduce GB/s")  # fmt: skip
-    return _md_table(heads, rows)
+    return markdown_table(heads, rows)
 
 
 def analyse(out_dir: Path) -> str:
     ob = onebit_rows()
     he = herring_rows()
-    write_csv(out_dir / "onebit_lamb_table2.csv", ob)
-    write_csv(out_dir / "herring_table5.csv", he)
+    write_rows_csv(out_dir / "onebit_lamb_table2.csv", ob, "{:.4f}")
+    write_rows_csv(out_dir / "herring_table5.csv", he, "{:.4f}")
 
     def mark(r):
         within = "" if r["within_2x"] else "outside 2x"
         return "claimed" + (", MISSED" if within else "") if r["claimed"] else within
 
-    ob_md = _md_table(
+    ob_md = markdown_table(
         ("network", "nodes", "GPUs", "batch", "accum", "allreduce %", "paper ms", "ours ms",
          "ours/paper", "hier. ms", "hier./paper", "increment ours/paper", "claim"),
         [(r["network"], r["nodes"], r["gpus"], r["batch"], r["grad_accum"],
@@ -176,7 +160,7 @@ def analyse(out_dir: Path) -> str:
           f"{r['ratio_increment']:.2f}" if r["ratio_increment"] != "" else "-", mark(r))
          for r in ob],
     )  # fmt: skip
-    he_md = _md_table(
+    he_md = markdown_table(
         ("GPUs", "nodes", "paper EFA ms", "ours ms", "ours/paper", "paper no-EFA ms",
          "ours/no-EFA", "ours NCCL ring ms", "claim"),
         [(r["gpus"], r["nodes"], r["paper_efa_ms"], f"{r['ours_ms']:.2f}", f"{r['ratio']:.2f}",

@@ -15,7 +15,6 @@ of it tracing BERT-large's backward pass); it writes ``runs/herring_table3/``: `
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from shoal.comms.fusion import (
     plan_fusion,
 )
 from shoal.experiments import bert
-from shoal.experiments.analysis import Analysis
+from shoal.experiments.analysis import Analysis, markdown_table, write_rows_csv
 
 NODES = (8, 16, 32, 64)  # worker nodes, with as many servers
 PAPER_BUFFER_KB = 86684
@@ -135,13 +134,6 @@ def per_server(
     ]
 
 
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def plot_per_server(
     path: Path, rows: Sequence[dict[str, int]], embedding_server: int, model: str = "BERT-large"
 ) -> None:
@@ -163,13 +155,6 @@ def plot_per_server(
     fig.savefig(path, dpi=90)
 
 
-def _md_table(heads: Sequence[str], rows: Sequence[Sequence[Any]], align: str) -> str:
-    lines = ["| " + " | ".join(heads) + " |",
-             "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]  # fmt: skip
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def analyse(out_dir: Path, config: bert.BertConfig = bert.BERT_LARGE) -> str:
     """Write table3.csv, per_server_64.csv and per_server_64.png; return the summary."""
     t0 = time.perf_counter()
@@ -188,14 +173,10 @@ def analyse(out_dir: Path, config: bert.BertConfig = bert.BERT_LARGE) -> str:
     emb_bytes = math.prod(leaves[emb].shape) * item
 
     rows = table3(shapes, order)
-    with open(out_dir / "table3.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["nodes", "atomic_mb", "bfb_mb"])
-        w.writeheader()
-        w.writerows({**r, "atomic_mb": f"{r['atomic_mb']:.6f}", "bfb_mb": f"{r['bfb_mb']:.6f}"}
-                    for r in rows)  # fmt: skip
+    write_rows_csv(out_dir / "table3.csv", rows, "{:.6f}")
     servers = per_server(shapes, order)
     emb_server = atomic_placement(shapes, num_servers=PLOT_SERVERS, order=order).server[emb]
-    write_csv(out_dir / f"per_server_{PLOT_SERVERS}.csv", servers)
+    write_rows_csv(out_dir / f"per_server_{PLOT_SERVERS}.csv", servers)
     model = "BERT-large" if config == bert.BERT_LARGE else "BERT (small variant)"
     plot_per_server(out_dir / f"per_server_{PLOT_SERVERS}.png", servers, emb_server, model)
 
@@ -232,9 +213,9 @@ def analyse(out_dir: Path, config: bert.BertConfig = bert.BERT_LARGE) -> str:
     pad_elems = math.prod(PAPER_EMBEDDING) - ours_vocab * hidden
 
     heads = ("ours", "elements", "KB", "paper index", "paper length", "paper KB", "same")
-    table2_md = _md_table(heads, table2, "lrrrrrl")
-    layout_md = _md_table(("buffer", "variables", "KB", "KB of embedding"), layout, "rrrr")
-    t3 = _md_table(
+    table2_md = markdown_table(heads, table2, "lrrrrrl")
+    layout_md = markdown_table(("buffer", "variables", "KB", "KB of embedding"), layout, "rrrr")
+    t3 = markdown_table(
         ("nodes (= servers)", "atomic MiB (ours)", "paper", "BFB MiB (ours)", "paper"),
         [(r["nodes"], f"{r['atomic_mb']:.2f}", PAPER_ATOMIC_MB.get(r["nodes"], "-"),
           f"{r['bfb_mb']:.2f}", PAPER_BFB_MB) for r in rows],
