@@ -16,16 +16,11 @@ MPI_TIMEOUT ?= 900
 
 venv: $(STAMP)
 
-# mpi4jax has no CPU wheel: it builds from source against the mpich wheel's mpicc.
-# CUDA_PATH points at an empty folder so that machines with nvcc but no CUDA headers
-# get the CPU build (see DESIGN.md).
-$(STAMP): pyproject.toml Makefile
+# install.sh holds the README's "own project" commands; an empty pip cache is enough.
+$(STAMP): pyproject.toml Makefile install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "mpich" "mpi4py>=4" "nanobind" "cython"
-	mkdir -p $(VENV)/empty-cuda
-	CUDA_PATH=$(abspath $(VENV))/empty-cuda $(PY) -m pip install -q --no-build-isolation "mpi4jax>=0.9"
-	$(PY) -m pip install -q -e ".[mpi,dev]"
+	$(PY) -m pip install -q --upgrade pip
+	PIP_QUIET=1 bash install.sh -e ".[mpi,dev]"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -1,0 +1,43 @@
+"""The README's install commands are the ones `make` runs (install.sh), and shoal has a version."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import shoal
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_section(title):
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+def test_readme_mpi_commands_are_install_sh():
+    blocks = re.findall(r"```sh\n(.*?)```", _readme_section("Use shoal in your own project"), re.S)
+    readme_mpi = [line for line in blocks[1].splitlines() if line.strip()]
+    script = [
+        line
+        for line in (ROOT / "install.sh").read_text().splitlines()
+        if line.startswith("python -m pip") or line.startswith("CUDA_PATH=")
+    ]
+    # The same build steps, in the same order; only what is installed as shoal differs.
+    assert readme_mpi[:-1] == script[:-1]
+    assert readme_mpi[-1] == 'python -m pip install "$SHOAL[mpi]"'
+    assert script[-1] == 'python -m pip install "$@"'
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'bash install.sh -e ".[mpi,dev]"' in makefile
+
+
+def test_install_sh_pins_the_jax_of_pyproject():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    jax_pin = next(d for d in deps if d.startswith("jax"))
+    assert f'"{jax_pin}"' in (ROOT / "install.sh").read_text()
+
+
+def test_version():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert shoal.__version__ == version
