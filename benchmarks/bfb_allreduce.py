@@ -155,7 +155,7 @@ def main() -> None:
 
             def run(g, step=step):
                 u, state = step(g)
-                return u, state.wire.sent, state.wire.received
+                return u, state.wire.step.sent, state.wire.step.received
 
             label = f"{mode} ({'auto' if buf is None else f'{buf / 2**20:g} MiB'})"
             variants[label] = (run, buf, servers is not None)

@@ -22,12 +22,13 @@ from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
 from shoal.comms.recording import RecordingCollective, record_events
 from shoal.comms.servers import ParameterServers, ServerStats
-from shoal.comms.wire import WireCount, tree_nbytes, wire_bytes
+from shoal.comms.wire import ByteCount, WireCount, WireMeter, tree_nbytes, wire_bytes
 
 __all__ = [
     "REDUCE_OPS",
     "AtomicPlacement",
     "AxisCollective",
+    "ByteCount",
     "Cluster",
     "Collective",
     "Event",
@@ -38,6 +39,7 @@ __all__ = [
     "RecordingCollective",
     "ServerStats",
     "WireCount",
+    "WireMeter",
     "atomic_placement",
     "broadcast_order",
     "check_same_structure",

@@ -3,6 +3,14 @@
 Inside ``jax.vmap(f, axis_name=name)`` the N workers live in one process and the
 collectives are exact array operations; inside ``shard_map`` over a mesh axis they
 are XLA collectives across devices (and processes, with ``jax.distributed``).
+
+Under vmap the collectives are written for memory bandwidth, not as JAX's collective
+primitives: XLA:CPU reduces over a leading axis about 30x slower than a dot with a ones
+vector (mean over the workers of a [16, 1M] float32 array: 67 ms vs 2.4 ms), and
+``lax.pmean`` under vmap lowers to exactly that reduction. So a reduction all-gathers
+(under vmap a free view of the batched array, and unbatched: one copy for all workers,
+not N) and sums with a dot. A value that is the same on every worker comes back
+unbatched, so a ``lax.cond`` on it stays a branch rather than a select of both.
 """
 
 from __future__ import annotations
@@ -60,35 +68,65 @@ class AxisCollective:
                 f"axis of size {int(actual)}"
             )
 
+    def _simulated(self) -> bool:
+        # shard_map makes its axes manual mesh axes; a vmap axis is not one.
+        return self.axis_name not in jax.sharding.get_abstract_mesh().manual_axes
+
     def rank(self) -> jax.Array:
+        """This worker's index along ``axis_name``, an int32 scalar."""
         self._check_axis()
         return lax.axis_index(self.axis_name).astype(jnp.int32)
 
     def all_reduce(self, tree: Any, op: str = "mean") -> Any:
+        """Every leaf reduced over the workers (``op``: mean, sum, max or min); a leaf of
+        ``mean`` must be floating. Under vmap the result is unbatched (one copy)."""
         check_op(op)
         self._check_axis()
-        if op == "mean":
-            return jax.tree.map(self._pmean, tree)
-        fn = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op]
-        return jax.tree.map(lambda x: fn(x, self.axis_name), tree)
+        simulated = self._simulated()
 
-    def _pmean(self, x):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            raise TypeError(f"all_reduce(op='mean') needs a floating leaf, got dtype {x.dtype}")
-        return lax.pmean(x, self.axis_name)
+        def one(x):
+            x = jnp.asarray(x)
+            if op == "mean" and not jnp.issubdtype(x.dtype, jnp.inexact):
+                raise TypeError(f"all_reduce(op='mean') needs a floating leaf, got dtype {x.dtype}")
+            if not simulated:
+                fn = {"mean": lax.pmean, "sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op]
+                return fn(x, self.axis_name)
+            rows = lax.all_gather(x, self.axis_name)
+            if op in ("max", "min"):
+                return (jnp.max if op == "max" else jnp.min)(rows, axis=0)
+            total = _sum_rows(rows)
+            return (total / self.size).astype(x.dtype) if op == "mean" else total
+
+        return jax.tree.map(one, tree)
+
+    def uniform(self, x: Any) -> Any:
+        """``x``, a value the caller knows to be the same on every worker (a step counter,
+        an all-reduced flag), in the form control flow branches on cheaply: under vmap
+        worker 0's copy, unbatched, so ``lax.cond`` on it runs only the taken branch
+        (on a batched predicate vmap computes every branch and selects). Elsewhere ``x``
+        itself, at no cost."""
+        self._check_axis()
+        if not self._simulated():
+            return x
+        return jax.tree.map(lambda v: lax.all_gather(v, self.axis_name)[0], x)
 
     def all_gather(self, x: jax.Array) -> jax.Array:
+        """``[size, *x.shape]``: row ``j`` is worker ``j``'s ``x`` (unbatched under vmap)."""
         self._check_axis()
         return lax.all_gather(x, self.axis_name)
 
     def all_to_all(self, x: jax.Array) -> jax.Array:
+        """Worker ``r`` receives row ``r`` of every worker's ``x``, stacked by source."""
         check_all_to_all(x, self.size)
         self._check_axis()
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
+        """Every worker gets worker ``root``'s value of every leaf, bit for bit."""
         check_root(root, self.size)
         self._check_axis()
+        if self._simulated():  # worker root's row of the (free, unbatched) gather
+            return jax.tree.map(lambda x: lax.all_gather(x, self.axis_name)[root], tree)
         is_root = lax.axis_index(self.axis_name) == root
 
         def one(x):
@@ -109,6 +147,8 @@ class AxisCollective:
         return jax.tree.map(one, tree)
 
     def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
+        """Worker ``d`` receives worker ``s``'s ``x`` for each ``(s, d)`` in ``perm``; a
+        worker that is nobody's destination receives zeros."""
         pairs = check_perm(perm, self.size)
         self._check_axis()
         # vmap's ppermute needs a full permutation: route the idle workers among
@@ -137,3 +177,16 @@ class AxisCollective:
 
         groups = check_group_size(self.size, group_size)
         return AxisCollective(intra_axis, group_size), AxisCollective(inter_axis, groups)
+
+
+def _sum_rows(rows: jax.Array) -> jax.Array:
+    """``rows.sum(0)`` at memory bandwidth: a dot with a ones vector for floats (f32
+    accumulation, full precision also on GPUs that would use TF32), a plain sum for the
+    small integer flags and counts."""
+    if not jnp.issubdtype(rows.dtype, jnp.floating):
+        return jnp.sum(rows, axis=0, dtype=rows.dtype)
+    n = rows.shape[0]
+    flat = rows.reshape(n, -1)
+    acc = jnp.float32 if rows.dtype.itemsize < 4 else rows.dtype
+    total = jnp.dot(jnp.ones((n,), acc), flat.astype(acc), precision=lax.Precision.HIGHEST)
+    return total.reshape(rows.shape[1:]).astype(rows.dtype)

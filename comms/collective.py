@@ -27,6 +27,10 @@ class Collective(Protocol):
     def all_reduce(self, tree: Any, op: str = "mean") -> Any:
         """Element-wise reduction of every leaf over all workers (``op`` in `REDUCE_OPS`)."""
 
+    def uniform(self, x: Any) -> Any:
+        """``x``, known to be the same on every worker, in the form ``lax.cond`` branches on
+        cheaply (under vmap: unbatched); no communication."""
+
     def all_gather(self, x: jax.Array) -> jax.Array:
         """``[size, *x.shape]``: row ``j`` is worker ``j``'s ``x``."""
 
@@ -82,3 +86,14 @@ def check_all_to_all(x: jax.Array, size: int) -> None:
         raise ValueError(
             f"all_to_all needs x.shape[0] == collective size {size}, got shape {x.shape}"
         )
+
+
+def uniform_over(collectives: Collective | Sequence[Collective], x: Any) -> Any:
+    """`Collective.uniform` over every collective in ``collectives`` (two-tier workers are
+    indexed by two axes, ``(intra, inter)``): a predicate built from the result keeps
+    ``lax.cond``/``lax.switch`` a real branch on every engine."""
+    if not isinstance(collectives, (list, tuple)):
+        collectives = (collectives,)
+    for c in collectives:
+        x = c.uniform(x)
+    return x

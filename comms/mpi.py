@@ -82,6 +82,10 @@ class MPICollective:
     def rank(self) -> jax.Array:
         return jnp.int32(self._rank)
 
+    def uniform(self, x: Any) -> Any:
+        """``x`` as it is: one worker per process has nothing to unbatch."""
+        return x
+
     def all_reduce(self, tree: Any, op: str = "mean") -> Any:
         check_op(op)
         MPI, mpi4jax = _import_mpi()

@@ -1,8 +1,10 @@
 """Wire accounting: the bytes a worker puts on and takes off the wire.
 
 Shapes are static, so the bytes of every collective call are Python ints known at
-trace time. Every communicating transformation keeps a `WireCount` for its most
-recent update in its state; `wire_bytes` sums them over a whole optimizer state.
+trace time. Every communicating transformation keeps a `WireMeter` in its state: the
+bytes of its most recent update (``step``) and of all its updates since ``init``
+(``total``), both exact to 64 bits (`ByteCount`). `wire_bytes` sums the meters of a
+whole optimizer state; `WireMeter.record` is the one place where totals grow.
 
 Counting rules (what the algorithm moves, not what an MPI library does inside),
 for ``P`` workers and a payload of ``n`` bytes:
@@ -22,45 +24,145 @@ Fractions round down to whole bytes.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+_WORD = 1 << 32
+
+
+class ByteCount(NamedTuple):
+    """A count of bytes, exact up to ``2**63 - 1``: ``hi * 2**32 + lo`` in two uint32 words.
+
+    jax runs in 32-bit mode by default, where int64 silently becomes int32, and int32 ends
+    at ``2**31 - 1`` bytes, less than one ring all-reduce of a 300M-parameter float32 model
+    among 64 workers; so the count is split in two words and ``+`` carries from ``lo``
+    into ``hi``. The words may have leading axes (workers
+    under ``vmap``, steps under ``scan``); they broadcast like any array.
+
+    On the host, ``int(count)`` (one count) and ``count.numpy()`` or ``np.asarray(count)``
+    (any shape, int64) give the exact value. Indexing indexes the counts, not the words:
+    ``count[3]`` is worker 3's count (the words are ``count.hi``, ``count.lo``).
+    """
+
+    hi: jax.Array
+    lo: jax.Array
+
+    @classmethod
+    def zero(cls) -> ByteCount:
+        return cls(jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32))
+
+    @classmethod
+    def of(cls, n: int) -> ByteCount:
+        """``n`` bytes, a static Python int (byte counts are known at trace time)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"a byte count is a static Python int, got {type(n).__name__}")
+        n = int(n)
+        if not 0 <= n < 1 << 63:
+            raise ValueError(f"a byte count is in [0, 2**63), got {n}")
+        return cls(jnp.asarray(np.uint32(n >> 32)), jnp.asarray(np.uint32(n % _WORD)))
+
+    def __getitem__(self, index) -> ByteCount:  # counts, not the tuple's words
+        return ByteCount(self.hi[index], self.lo[index])
+
+    def __add__(self, other):  # with carry, not tuple concatenation
+        lo = self.lo + other.lo  # uint32: wraps modulo 2**32
+        carry = (lo < self.lo).astype(jnp.uint32)
+        return ByteCount(self.hi + other.hi + carry, lo)
+
+    def numpy(self) -> np.ndarray:
+        """The exact counts as a NumPy int64 array (on the host; any leading axes)."""
+        hi = np.asarray(self.hi).astype(np.int64)
+        lo = np.asarray(self.lo).astype(np.int64)
+        return np.asarray((hi << 32) | lo)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def __int__(self) -> int:
+        return int(self.numpy())
+
+    def __repr__(self) -> str:
+        concrete = all(isinstance(w, (np.ndarray, np.integer, int)) for w in self) or all(
+            isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) for w in self
+        )
+        if not concrete:  # traced, or shapes only (eval_shape)
+            return f"ByteCount(hi={self.hi!r}, lo={self.lo!r})"
+        return repr(self.numpy().tolist())  # the exact value(s): 612, [612, 612]
+
 
 class WireCount(NamedTuple):
-    """Bytes sent and received by this worker in the most recent update (int32 scalars)."""
+    """Bytes this worker sent and received over some span (one update, or since ``init``)."""
 
-    sent: jax.Array
-    received: jax.Array
+    sent: ByteCount
+    received: ByteCount
 
     @classmethod
     def zero(cls) -> WireCount:
-        return cls(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        return cls(ByteCount.zero(), ByteCount.zero())
 
     @classmethod
-    def of(cls, sent, received) -> WireCount:
-        return cls(jnp.asarray(sent, jnp.int32), jnp.asarray(received, jnp.int32))
+    def of(cls, sent: int, received: int) -> WireCount:
+        """From static Python ints (the bytes of the collective calls of one update)."""
+        return cls(ByteCount.of(sent), ByteCount.of(received))
 
     def __add__(self, other):  # elementwise, not tuple concatenation
         return WireCount(self.sent + other.sent, self.received + other.received)
 
 
-def wire_bytes(opt_state: Any) -> WireCount:
-    """Sum of every `WireCount` inside ``opt_state`` (any nesting of optax states).
+class WireMeter(NamedTuple):
+    """The wire counter in a transformation's state: what its most recent update moved
+    (``step``) and what all its updates since ``init`` moved (``total``)."""
 
-    Under ``vmap`` over workers the result has a leading worker axis.
+    step: WireCount
+    total: WireCount
+
+    @classmethod
+    def zero(cls) -> WireMeter:
+        """A fresh meter (``init``): nothing moved yet."""
+        return cls(WireCount.zero(), WireCount.zero())
+
+    def record(self, count: WireCount) -> WireMeter:
+        """After an update that moved ``count``: ``step = count``, ``total += count``."""
+        return WireMeter(count, self.total + count)
+
+    def add(self, count: WireCount) -> WireMeter:
+        """The same update also moved ``count`` (e.g. a wrapper's flag): both grow."""
+        return WireMeter(self.step + count, self.total + count)
+
+    def idle(self) -> WireMeter:
+        """After an update that moved nothing (a skipped step): the total is kept."""
+        return self.record(WireCount.zero())
+
+    def __add__(self, other):  # a tuple's + would concatenate: say what to use instead
+        raise TypeError("WireMeter: use .record(count) or .add(count) with a WireCount")
+
+
+def _meters(tree: Any) -> list[WireMeter]:
+    is_meter = lambda x: isinstance(x, WireMeter)
+    return [m for m in jax.tree.leaves(tree, is_leaf=is_meter) if is_meter(m)]
+
+
+def wire_bytes(opt_state: Any, which: Literal["total", "step"]) -> WireCount:
+    """Bytes this worker sent and received, summed over every `WireMeter` in
+    ``opt_state`` (any nesting of optax states):
+
+    * ``which="total"``: since ``init``, all updates together (what a run moved);
+    * ``which="step"``: in the most recent update only.
+
+    Traceable (``jit``, ``vmap``: under ``vmap`` over workers the result has a leading
+    worker axis). On the host, ``int(count.sent)`` or ``np.asarray(count.sent)`` (int64)
+    are exact.
     """
-    counts = [
-        c
-        for c in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, WireCount))
-        if isinstance(c, WireCount)
-    ]
-    total = WireCount.zero()
-    for c in counts:
-        total = total + c
-    return total
+    if which not in ("total", "step"):
+        raise ValueError(f"which must be 'total' or 'step', got {which!r}")
+    count = WireCount.zero()
+    for m in _meters(opt_state):
+        count = count + getattr(m, which)
+    return count
 
 
 def tree_nbytes(tree: Any) -> int:

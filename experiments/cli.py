@@ -27,7 +27,7 @@ from shoal.experiments.config import Config, ConfigError, apply_overrides, load_
 from shoal.experiments.report import PLOTS, summary_table, write_run
 from shoal.experiments.study import Study, run_study
 from shoal.experiments.tasks import make_task
-from shoal.experiments.train import train
+from shoal.experiments.train import check_grad_chunk, train
 from shoal.optim.nonfinite import NonFiniteGradientError
 
 
@@ -125,6 +125,7 @@ def _setup(args, backend, loaded):
     except ValueError as e:
         raise ConfigError(f"with {workers} workers: {e}") from None
     algorithms.check_known(cfg.algorithms, cfg)
+    check_grad_chunk(cfg.grad_chunk, args.backend, workers)
     return cfg
 
 
@@ -145,7 +146,8 @@ def _setup_study(args, study: Study) -> Study:
         )
     study = dataclasses.replace(study, config=apply_overrides(study.config, args.overrides))
     for row in study.runs():  # every run's config, before any training
-        study.run_config(row)
+        run_cfg = study.run_config(row)
+        check_grad_chunk(run_cfg.grad_chunk, "sim", run_cfg.workers)
     return study
 
 

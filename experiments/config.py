@@ -42,6 +42,10 @@ class Config:
     # Test metrics every ``eval_every`` steps and after the last one.
     eval_every: int = 25
     seed: int = 0
+    # Simulated workers only (--backend sim): compute the workers' gradients grad_chunk
+    # workers at a time (0: all at once), so N workers need not hold N workers' activations
+    # at once; the update still runs on all workers together. Must divide workers.
+    grad_chunk: int = 0
 
     # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
     # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
@@ -170,6 +174,7 @@ class Config:
                   "group_size", "lm_width", "lm_layers", "lm_heads"):  # fmt: skip
             _check(getattr(self, f) >= 1, f, "an int >= 1")
         _check(self.num_classes >= 2, "num_classes", "an int >= 2")
+        _check(self.grad_chunk >= 0, "grad_chunk", "an int >= 0 (0: all workers at once)")
         _check(self.bfb_buffer_bytes >= 0, "bfb_buffer_bytes", "an int >= 0 (0: automatic)")
         for f in ("pgx_fraction", "sma_alpha", "adaptive_fraction"):
             _check(0 < getattr(self, f) <= 1, f, "a float in (0, 1]")

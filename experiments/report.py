@@ -322,8 +322,8 @@ Train loss: mean over workers of their local batch losses at the last step. Test
 accuracy and error (1 - accuracy{error_note}): the
 worker-averaged parameters after the last step (for BMUF and BMUF_GTC the global model
 of the last BMUF step, which is the last step). MB: 10^6 bytes put on
-(taken off) the wire per worker, mean over workers, as counted by
-`shoal.comms.wire_bytes`. Wall time includes compilation.
+(taken off) the wire per worker in the whole run, mean over workers: every step's
+`shoal.comms.wire_bytes(state, "step")`, summed exactly. Wall time includes compilation.
 
 ![loss vs step]({PLOTS[0]})
 ![loss vs MB sent]({PLOTS[1]})

@@ -220,7 +220,7 @@ the {cfg.train_size} training {unit} ({cfg.batch_size} per worker and step), and
 global model of the last BMUF step, which is the last step). "rel. reduction" is the
 paper's relative error reduction with respect to the baseline, {base_label}
 (`{study.baseline.algorithm}`): `100 * (baseline - error) / baseline`, negative is worse.
-MB: 10^6 bytes sent per worker in the whole run, as counted by `shoal.comms.wire_bytes`.
+MB: 10^6 bytes sent per worker in the whole run: every step's `shoal.comms.wire_bytes`.
 Wall time includes compilation.
 
 Baseline {error}: {base_err:.2%} ({base["steps"]} steps, {base["wall_s"]:.1f} s).

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from shoal.comms import wire_bytes
 from shoal.experiments import algorithms, checkpoint, policies, projection
 from shoal.experiments.checkpoint import Checkpointer
-from shoal.experiments.config import Config
+from shoal.experiments.config import Config, ConfigError
 from shoal.optim.bmuf import BMUFState
 from shoal.optim.gtc import sent_fraction
 from shoal.optim.noise_scale import noise_scale
@@ -47,19 +47,22 @@ class RunResult:
     trained: int = 0
 
 
-def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False):
+def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False, given: bool = False):
     """One worker's step: local gradient, the algorithm's update (which communicates),
     and the bytes the update put on and took off the wire. With ``inject`` the step takes
     one more argument, a float32 added to every gradient element (0, or NaN to inject a
-    fault)."""
+    fault). With ``given`` the step takes ``(loss, grads)``, already computed, in place of
+    ``(x, y)`` (`compile_step` with ``grad_chunk``)."""
 
     def step(params, opt_state, x, y, *fault):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        loss, grads = (x, y) if given else jax.value_and_grad(loss_fn)(params, x, y)
         if inject:
             grads = jax.tree.map(lambda g: g + fault[0].astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        wire = wire_bytes(opt_state)
+        # This update's bytes; the host sums them, since a policy change may re-init the
+        # exchange (and with it the state's totals since init) mid-run.
+        wire = wire_bytes(opt_state, "step")
         # Sparsifiers move a fixed-capacity buffer; their density says how full it was.
         density = sent_fraction(opt_state)
         density = jnp.float32(jnp.nan) if density is None else density
@@ -70,6 +73,39 @@ def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False):
         return params, opt_state, (loss, wire.sent, wire.received, density, noise, skipped)
 
     return step
+
+
+def check_grad_chunk(grad_chunk: int, backend: str, workers: int) -> None:
+    """Raise `ConfigError` unless ``grad_chunk`` (0: off) can run: simulated workers only,
+    and a divisor of their number."""
+    if not grad_chunk:
+        return
+    if backend != "sim":
+        raise ConfigError(
+            f"grad_chunk = {grad_chunk} applies to simulated workers only (--backend sim), "
+            f"not --backend {backend}: drop grad_chunk (or set grad_chunk=0)"
+        )
+    if workers % grad_chunk:
+        raise ConfigError(f"grad_chunk = {grad_chunk} must divide the number of workers {workers}")
+
+
+def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_chunk=0):
+    """`make_step` for all of ``backend``'s workers (``backend.spmd``). With ``grad_chunk = K
+    > 0`` (`SimBackend` only) the workers' gradients are computed K workers at a time
+    (``jax.lax.map`` over the worker axis, K under ``vmap`` per iteration), so only K
+    workers' activations are alive at once; the update, which communicates, still runs
+    under ``vmap`` over all workers. Same results as ``grad_chunk = 0`` up to rounding."""
+    if not grad_chunk:
+        return backend.spmd(make_step(loss_fn, tx, inject=inject), group_size=group_size)
+    check_grad_chunk(grad_chunk, backend.name, backend.size)
+    update = backend.spmd(make_step(loss_fn, tx, inject=inject, given=True), group_size=group_size)
+    grad = jax.value_and_grad(loss_fn)
+
+    def step(params, opt_state, x, y, *fault):
+        loss, grads = jax.lax.map(lambda a: grad(*a), (params, x, y), batch_size=grad_chunk)
+        return update(params, opt_state, loss, grads, *fault)
+
+    return jax.jit(step)
 
 
 def evaluated_params(params: Any, opt_state: Any) -> Any:
@@ -139,6 +175,7 @@ def train(
     (a finished run is returned as saved). ``max_steps`` stops after that many steps of
     this call (``finished`` is then False).
     """
+    check_grad_chunk(cfg.grad_chunk, backend.name, backend.size)
     group_size = algorithms.group_size(algorithm, cfg)
     if group_size is None:
         comms = backend.collective
@@ -183,7 +220,10 @@ def train(
     elif checkpoints is not None:
         checkpoints.remove()  # a fresh run: no old run's checkpoint may mix in
     injection = cfg.injection()
-    step_fn = spmd(make_step(task.loss, tx, inject=injection is not None))
+    # With cfg.grad_chunk the gradients run a chunk of workers at a time (`compile_step`).
+    compile_ = functools.partial(compile_step, backend, task.loss, inject=injection is not None,
+                                 group_size=group_size, grad_chunk=cfg.grad_chunk)  # fmt: skip
+    step_fn = compile_(tx)
 
     def save(step: int, finished: bool = False, summary: dict[str, Any] | None = None) -> None:
         state = checkpoint.pack(
@@ -238,11 +278,12 @@ def train(
                 policy_changes.append((step, dict(decision)))
                 tx = algorithms.build(algorithm, cfg, comms, context, changes)
                 opt_state = carry_state(opt_state, spmd(tx.init)(params))
-                step_fn = spmd(make_step(task.loss, tx, inject=injection is not None))
+                step_fn = compile_(tx)
         if backend.is_root:
             loss, sent, received, density, noise, skipped = gathered
-            sent_total += sent.astype(np.int64)
-            received_total += received.astype(np.int64)
+            sent, received = np.asarray(sent), np.asarray(received)  # exact int64
+            sent_total += sent
+            received_total += received
             rec = {
                 "algorithm": algorithm,
                 "step": step,

@@ -89,7 +89,8 @@ communicates through the collective), and the bytes that update sent. `jax.vmap`
 axis `"workers"` runs `N` of them; each worker's parameters, optimizer state and batch are
 rows of arrays with a leading worker axis. `coll.broadcast(params, root=0)` starts every
 worker from worker 0's model (BMUF needs that). The bytes of a step are static (shapes are
-static); we add them up on the host.
+static): `wire_bytes(state, "step")` has the most recent update's, and
+`wire_bytes(state, "total")` each worker's total since `init`, exact to 64 bits.
 """),
     code("""
 coll = AxisCollective("workers", N)
@@ -105,7 +106,7 @@ def train_by_hand(tx, steps=STEPS):
     def one_step(params, state, x, y):  # what ONE worker runs
         loss, grads = jax.value_and_grad(task.loss)(params, x, y)
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss, wire_bytes(state).sent
+        return optax.apply_updates(params, updates), state, loss, wire_bytes(state, "step").sent
 
     stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), params0)
     params, state = jax.jit(jax.vmap(start, axis_name="workers"))(stacked)
@@ -115,8 +116,15 @@ def train_by_hand(tx, steps=STEPS):
         params, state, loss, nbytes = step(params, state, *task.batch(t, N))
         losses.append(float(loss.mean()))
         sent.append(int(nbytes[0]))  # every worker sends the same here
+    total = int(wire_bytes(state, "total").sent[0])  # worker 0's bytes since init
+    assert total == sum(sent)
     mean_model = jax.tree.map(lambda a: a.mean(0), params)
-    return {"loss": np.array(losses), "bytes": np.array(sent), "test": task.evaluate(mean_model)}
+    return {
+        "loss": np.array(losses),
+        "bytes": np.array(sent),
+        "total": total,
+        "test": task.evaluate(mean_model),
+    }
 """),
     md(r"""
 ## Four algorithms as optax chains
@@ -156,7 +164,7 @@ runs = {}
 for name, tx in chains.items():
     runs[name] = r = train_by_hand(tx)
     test_loss, test_acc = r["test"]
-    mb = r["bytes"].sum() / 1e6
+    mb = r["total"] / 1e6
     print(f"{name:>14}: test accuracy {test_acc:.1%}, {mb:6.2f} MB sent per worker")
 """),
     md(r"""
@@ -546,7 +554,7 @@ def run(tx):
         ]
         probe = {
             "loss": loss,
-            "bytes": new.wire.sent,
+            "bytes": new.wire.step.sent,
             "coeff": jnp.stack(leaves(new.coeff_avg)),
             "factor": jnp.stack(leaves(new.last_factor)),
             "scale": jnp.stack(leaves(scales)),
@@ -576,13 +584,15 @@ def run(tx):
         )
     hist = {k: np.stack([p[k] for p in probes]) for k in probes[0]}
     hist["test"] = task.evaluate(jax.tree.map(lambda a: a.mean(0), params))
+    hist["total"] = int(state.wire.total.sent[0])  # worker 0's bytes since init
+    assert hist["total"] == hist["bytes"].sum()
     return hist
 
 
 h = run(onebit_lamb(0.02, collective=coll, freeze_step=FREEZE))
 lamb = run(onebit_lamb(0.02, collective=coll, freeze_step=STEPS + 1))
 for name, r in (("1-bit LAMB", h), ("LAMB", lamb)):
-    mb = r["bytes"].sum() / 1e6
+    mb = r["total"] / 1e6
     print(f"{name:>10}: test accuracy {r['test'][1]:.1%}, {mb:.2f} MB sent per worker")
 """),
     md(r"""
@@ -946,7 +956,7 @@ grads = {k: jax.random.normal(key, (N, *v.shape)) for key, (k, v) in zip(keys, t
 
 def reduce(g):  # one worker
     updates, state = tx.update(g, tx.init(g))
-    return updates, wire_bytes(state).sent
+    return updates, wire_bytes(state, "step").sent
 
 
 updates, sent = jax.jit(jax.vmap(reduce, axis_name="workers"))(grads)

@@ -10,14 +10,14 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective
 
 
 class AllReduceState(NamedTuple):
     skipped: jax.Array  # int32 steps skipped for a non-finite gradient (shoal.optim.nonfinite)
-    wire: WireCount
+    wire: WireMeter  # bytes of the most recent update and since init
 
 
 def allreduce_gradients(
@@ -39,12 +39,12 @@ def allreduce_gradients(
     def init_fn(params: Any) -> AllReduceState:
         check_same_structure(params, collective)
         del params
-        return AllReduceState(skipped=jnp.zeros((), jnp.int32), wire=WireCount.zero())
+        return AllReduceState(skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         updates = collective.all_reduce(updates, op="mean")
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates), collective.size))
-        return updates, state._replace(wire=wire)
+        return updates, state._replace(wire=state.wire.record(wire))
 
     return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))

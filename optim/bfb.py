@@ -22,14 +22,14 @@ from shoal.comms.collective import Collective
 from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
 from shoal.comms.mpi import MPICollective
 from shoal.comms.servers import Layout, ParameterServers
-from shoal.comms.wire import WireCount, all_gather_bytes, all_to_all_bytes
+from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves
 
 
 class BFBState(NamedTuple):
     skipped: jax.Array  # int32 steps skipped for a non-finite gradient (shoal.optim.nonfinite)
-    wire: WireCount
+    wire: WireMeter  # bytes of the most recent update and since init
 
 
 def bfb_allreduce(
@@ -99,7 +99,7 @@ def bfb_allreduce(
             if tier is not None:
                 check_same_structure(params, tier)
         del params
-        return BFBState(skipped=jnp.zeros((), jnp.int32), wire=WireCount.zero())
+        return BFBState(skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -116,7 +116,8 @@ def bfb_allreduce(
             total, nbytes = _reduce(buf, plan, b, collective, intra, servers, tag)
             reduced.append((total / workers).astype(plan.dtype))
             sent += nbytes
-        return plan.unfuse(reduced), state._replace(wire=WireCount.of(sent, sent))
+        wire = state.wire.record(WireCount.of(sent, sent))
+        return plan.unfuse(reduced), state._replace(wire=wire)
 
     tiers = tuple(t for t in (intra, collective) if t is not None)
     return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, tiers))

@@ -29,8 +29,8 @@ import optax
 from jax import lax
 
 from shoal.comms.agreement import check_same_structure
-from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.comms.collective import Collective, uniform_over
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
@@ -59,7 +59,8 @@ class BMUFState(NamedTuple):
       block: int32 count of BMUF steps done, the 0-based index of the next one.
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`);
         they advance neither ``step`` nor the block.
-      wire: bytes of this transformation's own collectives in the most recent update.
+      wire: bytes of this transformation's own collectives in the most recent update
+        and since init.
     """
 
     inner_state: Any
@@ -69,7 +70,7 @@ class BMUFState(NamedTuple):
     step: jax.Array
     block: jax.Array
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def bmuf(
@@ -94,7 +95,7 @@ def bmuf(
     exact up to one rounding; ``state.global_params`` holds it exactly). Only that step
     communicates: one all-reduce of the param-sized ``W_i - W_g(t-1)`` inside a
     ``lax.cond`` on the rank-uniform step counter, ``2 (N - 1) / N`` times the param
-    bytes each way in ``state.wire`` (0 on the other steps). With ``t`` the 1-based
+    bytes each way in ``state.wire.step`` (0 on the other steps). With ``t`` the 1-based
     index of the BMUF step and eqs. (1)-(3) above (``Delta(0) = 0``):
 
     * classic block momentum (``nesterov=False``)::
@@ -216,12 +217,17 @@ def block_update_filtering(
             step=jnp.zeros((), jnp.int32),
             block=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
+
+    flags = flag_collectives if flag_collectives is not None else (collective,)
 
     def update_fn(updates, state, params=None, **extra_args):
         require_params("bmuf", params)
-        in_warmup = state.step < warmup_steps
+        # The step counter is the same on every worker: branch on it (a local step then
+        # costs a local step under vmap too, instead of a select over every branch).
+        step = uniform_over(flags, state.step)
+        in_warmup = step < warmup_steps
         if warmup_steps:
             updates = lax.cond(
                 in_warmup, lambda g: collective.all_reduce(g, "mean"), lambda g: g, updates
@@ -266,19 +272,19 @@ def block_update_filtering(
             wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), n_models))
             return restart, new_state, w_g, delta, filtered, s + 1, wire
 
-        k = state.step + 1 - warmup_steps  # steps into block training, this one included
+        k = step + 1 - warmup_steps  # steps into block training, this one included
         is_sync = (k >= 1) & (k % block_size == 0)
         branches = [local_step, block_step] + ([warmup_step] if warmup_steps else [])
         index = jnp.where(in_warmup, 2, is_sync.astype(jnp.int32)) if warmup_steps else is_sync
         out, local_state, w_g, delta, filtered, block, wire = lax.switch(
             jnp.asarray(index, jnp.int32), branches
         )
+        wire = state.wire.record(wire)  # this update's bytes, added to the total
         new_state = BMUFState(
             local_state, w_g, delta, filtered, state.step + 1, block, state.skipped, wire
         )
         return out, new_state
 
-    flags = flag_collectives if flag_collectives is not None else (collective,)
     return optax.GradientTransformationExtraArgs(
         init_fn, guard(update_fn, nonfinite, flags, needs_params="bmuf")
     )

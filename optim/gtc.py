@@ -24,7 +24,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_gather_bytes
+from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
 from shoal.optim.nonfinite import check_nonfinite, report
 from shoal.optim.validation import check_collective, check_floating_leaves, check_positive
@@ -41,14 +41,14 @@ class GTCState(NamedTuple):
       skipped: int32 count of steps skipped because some worker's gradient was not finite.
       sent: int32 elements this worker sent in the most recent update (its density is
         ``sent / n``; the wire always carries the full ``capacity`` buffer).
-      wire: bytes of the most recent update.
+      wire: bytes of the most recent update and since init.
     """
 
     residual: Any
     offset: jax.Array
     skipped: jax.Array
     sent: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def resolve_capacity(capacity: int | float, n: int) -> int:
@@ -130,7 +130,7 @@ def gtc(
             offset=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
             sent=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -175,7 +175,7 @@ def gtc(
         offset = jnp.where(all_finite, offset, state.offset)
         skipped = state.skipped + jnp.where(all_finite, 0, 1).astype(jnp.int32)
         sent = jnp.where(all_finite, count, 0).astype(jnp.int32)
-        new_state = GTCState(residual, offset, skipped, sent, wire)
+        new_state = GTCState(residual, offset, skipped, sent, state.wire.record(wire))
         return jax.tree.unflatten(treedef, out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

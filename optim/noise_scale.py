@@ -29,7 +29,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
 
@@ -47,7 +47,7 @@ class NoiseScaleState(NamedTuple):
       s: float32 bias-corrected ``tr(Sigma)``, ``s_ema / (1 - ema^t)`` (0 before step 1).
       noise_scale: float32 ``B_simple = s / g2`` (0 before step 1).
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
-      wire: bytes of the most recent update.
+      wire: bytes of the most recent update and since init.
     """
 
     step: jax.Array
@@ -57,7 +57,7 @@ class NoiseScaleState(NamedTuple):
     s: jax.Array
     noise_scale: jax.Array
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def _check_batch_size(value: Any) -> None:
@@ -159,7 +159,7 @@ def gradient_noise_scale(
             s=zero,
             noise_scale=zero,
             skipped=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -183,7 +183,9 @@ def gradient_noise_scale(
         g2 = g2_ema / correction
         s = s_ema / correction
 
-        wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates) + _SCALAR_BYTES, n))
+        wire = state.wire.record(
+            WireCount.of(*all_reduce_bytes(tree_nbytes(updates) + _SCALAR_BYTES, n))
+        )
         new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, state.skipped, wire)
         return updates, new_state
 

@@ -38,7 +38,7 @@ import optax
 from jax import lax
 
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes
 from shoal.optim.validation import check_collective, require_params
 
 NONFINITE_POLICIES = ("skip", "raise", None)
@@ -87,10 +87,10 @@ def skipped_steps(opt_state: Any) -> jax.Array | None:
 
 
 def _without_traffic(state: Any) -> Any:
-    """``state`` with every `WireCount` in it (nested ones included) at zero: a skipped
-    step sent nothing, and the counters hold the most recent update's bytes."""
-    is_wire = lambda x: isinstance(x, WireCount)
-    return jax.tree.map(lambda x: WireCount.zero() if is_wire(x) else x, state, is_leaf=is_wire)
+    """``state`` with every `WireMeter` in it (nested ones included) idle: a skipped
+    step sent nothing (its step count is 0), and the totals since init stay as they were."""
+    is_wire = lambda x: isinstance(x, WireMeter)
+    return jax.tree.map(lambda x: x.idle() if is_wire(x) else x, state, is_leaf=is_wire)
 
 
 def guard(
@@ -140,18 +140,18 @@ def guard(
         # inside run() are entered by all or by none.
         new_updates, new_state = lax.cond(bad == 0, run, skip, None)
         skipped = new_state.skipped + (bad > 0).astype(new_state.skipped.dtype)
-        return new_updates, new_state._replace(skipped=skipped, wire=new_state.wire + wire)
+        return new_updates, new_state._replace(skipped=skipped, wire=new_state.wire.add(wire))
 
     return guarded
 
 
 class SkipNonFiniteState(NamedTuple):
     """State of `skip_nonfinite`: the wrapped transformation's state, the int32 count of
-    skipped steps, and the flag's bytes in the most recent update."""
+    skipped steps, and the flag's bytes (most recent update and since init)."""
 
     inner_state: Any
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def skip_nonfinite(
@@ -180,10 +180,10 @@ def skip_nonfinite(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32), WireCount.zero())
+        return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32), WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        return new_updates, state._replace(inner_state=inner_state, wire=WireCount.zero())
+        return new_updates, state._replace(inner_state=inner_state, wire=state.wire.idle())
 
     return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collectives))

@@ -39,7 +39,7 @@ from shoal.comms.compressed import (
     compressed_allreduce_bytes,
     compressed_allreduce_init,
 )
-from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
@@ -60,7 +60,7 @@ class OneBitAdamState(NamedTuple):
       nu: param-shaped float32 second moment ``v``, frozen after ``freeze_step``.
       worker_error, server_error: float32 error feedback of the compressed all-reduce.
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
-      wire: bytes of the most recent update.
+      wire: bytes of the most recent update and since init.
     """
 
     count: jax.Array
@@ -69,7 +69,7 @@ class OneBitAdamState(NamedTuple):
     worker_error: jax.Array
     server_error: jax.Array
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 class OneBitLambState(NamedTuple):
@@ -86,7 +86,7 @@ class OneBitLambState(NamedTuple):
       scale: per-leaf float32 momentum scale (1 until the first compressed step).
       worker_error, server_error: float32 error feedback of the compressed all-reduce.
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
-      wire: bytes of the most recent update.
+      wire: bytes of the most recent update and since init.
     """
 
     count: jax.Array
@@ -99,7 +99,7 @@ class OneBitLambState(NamedTuple):
     worker_error: jax.Array
     server_error: jax.Array
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 # --------------------------------------------------------------------------- checks
@@ -246,7 +246,7 @@ def onebit_adam(
             worker_error=worker_error,
             server_error=server_error,
             skipped=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -277,7 +277,9 @@ def onebit_adam(
         if n == 0:
             new = warmup(None)
         else:
-            new = lax.cond(state.count < freeze_step, warmup, compressed, None)
+            # The stage is the same on every worker: a real branch (not both stages) under vmap.
+            stage = collective.uniform(state.count) < freeze_step
+            new = lax.cond(stage, warmup, compressed, None)
         new_mu, new_nu, we, se, wire = new
         lr = _lr(learning_rate, state.count)
         out = [
@@ -291,7 +293,7 @@ def onebit_adam(
             worker_error=we,
             server_error=se,
             skipped=state.skipped,
-            wire=wire,
+            wire=state.wire.record(wire),
         )
         return treedef.unflatten(out), new_state
 
@@ -403,7 +405,7 @@ def onebit_lamb(
             worker_error=worker_error,
             server_error=server_error,
             skipped=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -483,9 +485,12 @@ def onebit_lamb(
         if n == 0:
             new = warmup(None)
         else:
-            new = lax.cond(state.count < freeze_step, warmup, compressed, None)
+            # The stage is the same on every worker: a real branch (not both stages) under vmap.
+            stage = collective.uniform(state.count) < freeze_step
+            new = lax.cond(stage, warmup, compressed, None)
         out, *trees, we, se, wire = new
         trees = [treedef.unflatten([jnp.asarray(x, jnp.float32) for x in tr]) for tr in trees]
+        wire = state.wire.record(wire)
         new_state = OneBitLambState(state.count + 1, *trees, we, se, state.skipped, wire)
         out = [u.astype(x.dtype) for u, x in zip(out, leaves)]
         return treedef.unflatten(out), new_state

@@ -35,7 +35,7 @@ from jax import lax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves
 
@@ -55,14 +55,15 @@ class PartialExchangeState(NamedTuple):
       fraction: float32 budget fraction active at the most recent update (after init: the
         one step 0 will use).
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
-      wire: bytes of the most recent update (the exchanged bin's ring all-reduce).
+      wire: bytes of the most recent update (the exchanged bin's ring all-reduce) and
+        since init.
     """
 
     step: jax.Array
     bin: jax.Array
     fraction: jax.Array
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def partial_exchange(
@@ -125,7 +126,7 @@ def partial_exchange(
             bin=jnp.full((), -1, jnp.int32),
             fraction=jnp.asarray(segments[0][1], jnp.float32),
             skipped=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -162,7 +163,8 @@ def partial_exchange(
             n_bins.append(max(len(bins), 1))
             branches.extend(branch(b) for b in bins)
 
-        t = state.step
+        # The step is the same on every worker: a real switch (an empty tree has no peers).
+        t = collective.uniform(state.step) if leaves else state.step
         k = jnp.sum(t >= jnp.asarray(starts[1:], jnp.int32), dtype=jnp.int32)
         offsets = np.cumsum([0, *n_bins[:-1]])
         local = (t - jnp.asarray(starts, jnp.int32)[k]) % jnp.asarray(n_bins, jnp.int32)[k]
@@ -175,6 +177,7 @@ def partial_exchange(
             out, wire = branches[0](updates)
         else:
             out, wire = lax.switch(flat_bin, branches, updates)
+        wire = state.wire.record(wire)
         return out, PartialExchangeState(t + 1, flat_bin, fraction, state.skipped, wire)
 
     return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))

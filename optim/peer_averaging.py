@@ -29,7 +29,7 @@ from jax import lax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, require_params
 
@@ -50,14 +50,14 @@ class PeerAveragingState(NamedTuple):
         ``s`` updates (leading axis ``s``, a ring buffer indexed by ``step % s``); None
         when ``s == 0``.
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
-      wire: bytes sent and received by the most recent update.
+      wire: bytes sent and received by the most recent update and since init.
     """
 
     inner_state: Any
     step: jax.Array
     history: Any
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def peer_averaging(
@@ -154,13 +154,13 @@ def peer_averaging(
             step=jnp.zeros((), jnp.int32),
             history=history,
             skipped=jnp.zeros((), jnp.int32),
-            wire=WireCount.zero(),
+            wire=WireMeter.zero(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         require_params("peer_averaging", params)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        t = state.step
+        t = collective.uniform(state.step)  # the same on every worker: a real switch
         history = state.history
         if staleness:
             slot = t % staleness
@@ -182,7 +182,7 @@ def peer_averaging(
             lambda q, p, u: ((q - p) / 2 + u).astype(u.dtype), received, params, inner_updates
         )
         n = tree_nbytes(params)
-        wire = WireCount.of(n, n)
+        wire = state.wire.record(WireCount.of(n, n))
         return out, PeerAveragingState(inner_state, t + 1, history, state.skipped, wire)
 
     return optax.GradientTransformationExtraArgs(

@@ -23,7 +23,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, all_reduce_bytes, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
@@ -39,12 +39,12 @@ class SMAState(NamedTuple):
     Attributes:
       inner_state: state of the local optimizer.
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
-      wire: bytes sent and received by the most recent update.
+      wire: bytes sent and received by the most recent update and since init.
     """
 
     inner_state: Any
     skipped: jax.Array
-    wire: WireCount
+    wire: WireMeter
 
 
 def sma(
@@ -92,7 +92,7 @@ def sma(
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
         return SMAState(
-            inner_state=inner.init(params), skipped=jnp.zeros((), jnp.int32), wire=WireCount.zero()
+            inner_state=inner.init(params), skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero()
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -103,7 +103,7 @@ def sma(
             lambda m, p, u: (alpha * (m - p) + u).astype(u.dtype), mean, params, inner_updates
         )
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), collective.size))
-        return out, SMAState(inner_state, state.skipped, wire)
+        return out, SMAState(inner_state, state.skipped, state.wire.record(wire))
 
     return optax.GradientTransformationExtraArgs(
         init_fn, guard(update_fn, nonfinite, collective, needs_params="sma")

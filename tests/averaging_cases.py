@@ -46,7 +46,7 @@ def flat(p):
 
 def train(make_tx, p0, grads):
     """Every worker runs ``make_tx(collective)`` over its gradients; returns
-    ``{rank: ((params after each step, wire after each step), final state)}``."""
+    ``{rank: ((params after each step, wire bytes of each step), final state)}``."""
 
     def worker(coll, p0, grads):
         tx = make_tx(coll)
@@ -56,7 +56,7 @@ def train(make_tx, p0, grads):
             p, s = carry
             u, s = tx.update(g, s, p)
             p = optax.apply_updates(p, u)
-            return (p, s), (p, wire_bytes(s))
+            return (p, s), (p, wire_bytes(s, "step"))
 
         (_, state), traj = lax.scan(body, (p0, state), grads)
         return traj, state

@@ -173,7 +173,7 @@ def test_colocated_equals_all_reduce_mean(buffer_bytes):
     def worker(coll, g):
         tx = optax.chain(bfb_allreduce(collective=coll, buffer_bytes=buffer_bytes))
         u, s = tx.update(g, tx.init(g))
-        return u, wire_bytes(s)
+        return u, wire_bytes(s, "step")
 
     out = run_workers(worker, GRADS)
     _check_mean({r: u for r, (u, _) in out.items()}, GRADS, my_ranks())
@@ -193,7 +193,7 @@ def test_hierarchical_equals_all_reduce_mean():
     def worker(intra, inter, g):
         tx = bfb_allreduce(collective=inter, intra=intra, buffer_bytes=40)
         u, s = tx.update(g, tx.init(g))
-        return u, s.wire
+        return u, s.wire.step
 
     if UNDER_MPI:
         intra, inter = world().split(local)

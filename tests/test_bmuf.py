@@ -97,7 +97,7 @@ def train(tx, steps):
             p, s = carry
             u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
             p = optax.apply_updates(p, u)
-            return (p, s), (p, s.global_params, wire_bytes(s))
+            return (p, s), (p, s.global_params, wire_bytes(s, "step"))
 
         (_, state), traj = lax.scan(body, (params, state), None, length=steps)
         return traj, state
@@ -300,6 +300,8 @@ def test_wire_bytes_only_on_block_steps():
         expect = ([flag] * (block_size - 1) + [sync + flag]) * 2
         assert np.asarray(wire.sent).tolist() == expect
         assert np.asarray(wire.received).tolist() == expect
+        total = 2 * (sync + block_size * flag)  # since init: two blocks
+        assert (int(state.wire.total.sent), int(state.wire.total.received)) == (total, total)
         assert state.step.dtype == jnp.int32 and state.block.dtype == jnp.int32
         assert isinstance(state, BMUFState)
 

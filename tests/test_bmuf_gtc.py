@@ -101,7 +101,7 @@ def scan_steps(opt, params, x, y, steps, extra=lambda p: ()):
         p, s = carry
         u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
         p = optax.apply_updates(p, u)
-        return (p, s), (p, wire_bytes(s), extra(p))
+        return (p, s), (p, wire_bytes(s, "step"), extra(p))
 
     (_, state), traj = lax.scan(body, (params, state), None, length=steps)
     return traj, state
@@ -155,6 +155,7 @@ def test_two_tier_matches_oracle(variant, mu, reset):
         assert all(np.all(np.asarray(s) == 0) for s in jax.tree.leaves(spread))
         assert np.asarray(wire.sent).tolist() == expect_wire
         assert np.asarray(wire.received).tolist() == expect_wire
+        assert int(wire_bytes(state, "total").sent) == sum(expect_wire)  # GTC's and BMUF's
         assert isinstance(state.inner_state[0], GTCState)
         assert int(state.block) == blocks
 

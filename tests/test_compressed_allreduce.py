@@ -175,6 +175,9 @@ class CountingCollective:
     def rank(self):
         return self.inner.rank()
 
+    def uniform(self, x):
+        return self.inner.uniform(x)
+
     def all_reduce(self, tree, op="mean"):
         raise AssertionError("compressed_allreduce must not all-reduce")
 

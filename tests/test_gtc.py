@@ -121,8 +121,9 @@ def test_wire_bytes_hand_computed():
     out = run_gtc(grads, lambda c: gtc(0.5, collective=c, capacity=4))
     # all-gather of (4 words + 1 header) int32 per worker: (N-1) * 5 * 4 bytes each way
     for _, (_, state) in out.items():
-        w = wire_bytes(state)
-        assert int(w.sent) == (N - 1) * 20 and int(w.received) == (N - 1) * 20
+        for which in ("step", "total"):  # one step: its bytes are all there are
+            w = wire_bytes(state, which)
+            assert int(w.sent) == (N - 1) * 20 and int(w.received) == (N - 1) * 20
 
 
 @pytest.mark.mpi
@@ -157,7 +158,8 @@ def test_chains_with_sgd_and_jits():
     for _, (u, state) in out.items():
         u_flat = flat(jax.tree.map(lambda x: np.asarray(x)[None], u))[0]
         np.testing.assert_allclose(u_flat, -0.1 * agg, rtol=1e-6, atol=1e-7)
-        assert int(wire_bytes(state).sent) == (N - 1) * 4 * (N_ELEM + 1)
+        assert int(wire_bytes(state, "step").sent) == (N - 1) * 4 * (N_ELEM + 1)
+        assert int(wire_bytes(state, "total").sent) == 2 * (N - 1) * 4 * (N_ELEM + 1)
 
 
 @pytest.mark.parametrize(

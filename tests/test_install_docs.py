@@ -1,8 +1,9 @@
 """The README's install commands are the ones `make` runs (install.sh), and shoal has a version."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import shoal
 

@@ -88,8 +88,9 @@ def test_one_step_mean_estimates_and_wire_bytes():
         np.testing.assert_allclose(state.s, s, rtol=1e-5)
         np.testing.assert_allclose(state.noise_scale, ratio, rtol=1e-5)
         np.testing.assert_allclose(noise_scale(state), ratio, rtol=1e-5)
-        w = wire_bytes(state)
-        assert (int(w.sent), int(w.received)) == (expect, expect)
+        for which in ("step", "total"):  # one step: its bytes are all there are
+            w = wire_bytes(state, which)
+            assert (int(w.sent), int(w.received)) == (expect, expect)
 
 
 @pytest.mark.mpi

@@ -114,7 +114,7 @@ def trajectory(make, p0, grads):
     def body(carry, g):
         p, s = carry
         u, s = tx.update(g, s, p)
-        return (optax.apply_updates(p, u), s), (u, wire_bytes(s))
+        return (optax.apply_updates(p, u), s), (u, wire_bytes(s, "step"))
 
     (p, s), (updates, wire) = lax.scan(body, (p0, state), grads)
     return p, s, updates, wire
@@ -141,11 +141,13 @@ def without_step(grads, step=BAD_STEP):
 
 
 def split_skipped(state):
-    """(every leaf but the ``skipped`` counters, the counters)."""
+    """(every leaf but the ``skipped`` counters and the wire meters, the counters); the
+    meters' totals count the skipped step's flag, so the tests check them by hand."""
     rest, skipped = [], []
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        is_skipped = any(getattr(k, "name", None) == "skipped" for k in path)
-        (skipped if is_skipped else rest).append(np.asarray(leaf))
+        names = {getattr(k, "name", None) for k in path}
+        if "wire" not in names:
+            (skipped if "skipped" in names else rest).append(np.asarray(leaf))
     return rest, skipped
 
 
@@ -172,6 +174,12 @@ def test_bad_step_is_skipped_everywhere_and_nothing_is_poisoned(name):
         sent = np.asarray(wire.sent)
         np.testing.assert_array_equal(np.delete(sent, BAD_STEP), np.asarray(wire_ref.sent))
         assert int(sent[BAD_STEP]) == SKIPPED_STEP_BYTES.get(name, FLAG)
+        # The totals since init add up every step, the skipped one's flag included.
+        total, total_ref = wire_bytes(s, "total"), wire_bytes(s_ref, "total")
+        assert int(total.sent) == int(total_ref.sent) + SKIPPED_STEP_BYTES.get(name, FLAG)
+        assert int(total.sent) == int(sent.sum())
+        assert int(total.received) == int(np.asarray(wire.received).sum())
+        assert int(total_ref.sent) == int(np.asarray(wire_ref.sent).sum())
         assert all(np.isfinite(x).all() for x in jax.tree.leaves((p, s)))
 
 

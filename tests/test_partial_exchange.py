@@ -54,7 +54,7 @@ def run_steps(make_tx, grads):
 
         def body(s, g_t):
             u, s = tx.update(g_t, s)
-            w = wire_bytes(s)
+            w = wire_bytes(s, "step")
             return s, (u, s.bin, s.fraction, w.sent, w.received)
 
         return jax.lax.scan(body, state, g)[1]
@@ -139,7 +139,7 @@ def test_round_robin_over_two_rounds():
     check_against_oracle(out, grads, expect)
     # The wire bytes by hand, too: bins of 32, 32, 24 bytes, plus the flag.
     for _, (_, _, _, sent, _) in out.items():
-        assert [int(s) for s in sent] == [ring_bytes(b) + FLAG_BYTES for b in BIN_BYTES_04] * 2
+        assert np.asarray(sent).tolist() == [ring_bytes(b) + FLAG_BYTES for b in BIN_BYTES_04] * 2
 
 
 @pytest.mark.mpi
@@ -154,7 +154,7 @@ def test_budget_one_is_allreduce_gradients_bit_for_bit():
             g_t = jax.tree.map(lambda x, t=t: x[t], g)
             u, s = pgx.update(g_t, s)
             u_ar, s_ar = ar.update(g_t, s_ar)
-            outs.append((u, u_ar, wire_bytes(s), wire_bytes(s_ar), s.bin))
+            outs.append((u, u_ar, wire_bytes(s, "step"), wire_bytes(s_ar, "step"), s.bin))
         return outs
 
     for _, outs in run_workers(worker, grads).items():
@@ -226,7 +226,7 @@ def test_schedule_switches_restarts_at_bin_zero_and_never_retraces(name):
     per_step = []
     for t in range(steps):
         u, state = step(at_step(grads, t), state)
-        w = wire_bytes(state)
+        w = wire_bytes(state, "step")
         per_step.append((u, state.bin, state.fraction, w.sent, w.received))
     assert len(traces) == 1 and step._cache_size() == 1
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=-1), *per_step)
@@ -300,7 +300,8 @@ def test_empty_tree_is_passed_through():
     tx = partial_exchange(0.5, collective=AxisCollective("w", 2))
     u, s = tx.update({}, tx.init({}))
     assert u == {} and int(s.bin) == -1 and int(s.step) == 1
-    assert (int(s.wire.sent), int(s.wire.received)) == (0, 0)
+    assert (int(s.wire.step.sent), int(s.wire.step.received)) == (0, 0)
+    assert (int(s.wire.total.sent), int(s.wire.total.received)) == (0, 0)
 
 
 def test_inject_hyperparams_with_static_budget():

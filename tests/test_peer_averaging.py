@@ -111,6 +111,7 @@ def test_matches_oracle(strategy, staleness, inner):
         # One model out and one in per step, whatever the strategy, plus the flag.
         assert np.asarray(wire.sent).tolist() == [N_BYTES + flag] * STEPS
         assert np.asarray(wire.received).tolist() == [N_BYTES + flag] * STEPS
+        assert int(state.wire.total.sent) == (N_BYTES + flag) * STEPS
         assert isinstance(state, PeerAveragingState)
         assert state.step.dtype == jnp.int32 and int(state.step) == STEPS
         if staleness:

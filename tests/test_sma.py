@@ -53,6 +53,7 @@ def test_matches_oracle(alpha, inner):
         np.testing.assert_allclose(flat(params), expect[:, rank], rtol=1e-5, atol=1e-5)
         assert np.asarray(wire.sent).tolist() == [sync + flag] * STEPS
         assert np.asarray(wire.received).tolist() == [sync + flag] * STEPS
+        assert int(state.wire.total.received) == (sync + flag) * STEPS
         assert isinstance(state, SMAState)
 
 

@@ -60,7 +60,7 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
         # Each worker sends and receives every buffer once (padding included), plus the
         # non-finite flag's all-reduce among the workers (never sent to the servers).
         flag = all_reduce_bytes(4, w)[0]
-        assert int(s.wire.sent) == int(s.wire.received) == sum(plan.buffer_bytes) + flag
+        assert int(s.wire.step.sent) == int(s.wire.step.received) == sum(plan.buffer_bytes) + flag
     if mode == "orphan":
         return  # no shutdown: the server must time out
     u, _ = jax.jit(lambda g: flat.update(g, flat.init(g)))(half(rank, w))
@@ -86,7 +86,7 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
     expect = sum((LOCAL - 1) * b // LOCAL + b // LOCAL + (LOCAL - 1) * (b // LOCAL)
                  for b in plan.buffer_bytes)  # fmt: skip
     expect += all_reduce_bytes(4, LOCAL)[0] + all_reduce_bytes(4, inter.size)[0]  # the flag
-    assert int(s.wire.sent) == int(s.wire.received) == expect
+    assert int(s.wire.step.sent) == int(s.wire.step.received) == expect
     ps.shutdown()
     print("worker ok", flush=True)
 
