@@ -92,7 +92,7 @@ CHUNK_REPS = 2
 MAX_DEFAULT = 2e8  # parameters x workers: larger combinations leave the default grid
 COMPRESS_FREEZE = 10  # onebit_lamb's freeze step for the compression-stage program
 # (local SGD's seconds per step below, steps per timed block, reps): fewer where slow.
-SPEED = [(0.01, 10, 7), (0.05, 10, 5), (0.1, 5, 4), (math.inf, 3, 3)]
+SPEED = [(0.01, 10, 7), (0.04, 10, 5), (0.08, 5, 4), (math.inf, 3, 3)]
 # The targets at 1M parameters, 16 and 64 workers (ratio to local SGD).
 TARGETS = {
     "ssgd": 1.2,
@@ -413,6 +413,11 @@ class Case:
         return out
 
 
+def fmt_mb(nbytes: float) -> str:
+    mb = nbytes / 1e6
+    return f"{mb:.1f}" if mb >= 10 else f"{mb:.2f}"
+
+
 def fmt_params(width: int) -> str:
     count = n_params(width)
     return f"{count / 1e6:.2f}M" if count >= 1e5 else f"{count / 1e3:.1f}k"
@@ -482,6 +487,7 @@ def main() -> None:
             case.measure(prog)
             print(f"# {fmt_params(w)} x {n} {prog.entry}: {time.perf_counter() - t:.0f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
+        case.base.check("local SGD")
         case.seconds = time.perf_counter() - start
         print(
             f"# done {fmt_params(w)} x {n} in {case.seconds:.0f} s",
@@ -534,9 +540,9 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
         + ", ".join(f"{fmt_params(c.width)} x {c.n}: {c.block} x {c.reps}" for c in cases)
     )
     print(
-        "check: every algorithm finished its timed steps with no step skipped and a finite "
-        "loss; BMUF steps fell on the last step of every timed block; onebit_lamb's stage "
-        "was the one named for every timed step"
+        "check: every algorithm (and local SGD) finished its timed steps with no step skipped "
+        "and a finite loss; BMUF steps fell on the last step of every timed block; "
+        "onebit_lamb's stage was the one named for every timed step"
     )
     for line in skipped:
         print(f"skipped: {line}")
@@ -585,9 +591,7 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
         if not k.endswith(":local")
     ]
     for key, label in mem_rows:
-        vals = [
-            f"{c.memory[key]['peak'] / c.n / 1e6:.1f}" if key in c.memory else "n/a" for c in cases
-        ]
+        vals = [fmt_mb(c.memory[key]["peak"] / c.n) if key in c.memory else "n/a" for c in cases]
         print(f"| {label} | " + " | ".join(vals) + " |")
     print()
     print(
@@ -617,8 +621,9 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
         for out in chunks:
             case, k = out["case"], out["k"]
             mem = [out[c]["memory"] for c in (0, k)]
-            mb = [f"{m['peak'] / case.n / 1e6:.1f} ({m['temporaries'] / case.n / 1e6:.1f})"
-                  for m in mem]  # fmt: skip
+            mb = [
+                f"{fmt_mb(m['peak'] / case.n)} ({fmt_mb(m['temporaries'] / case.n)})" for m in mem
+            ]
             ms = [f"{np.median(out[c]['times']):.1f}" for c in (0, k)]
             print(
                 f"| {fmt_params(case.width)} x {case.n}, {case.cfg.batch_size} | {k} | "
