@@ -78,6 +78,7 @@ from shoal.experiments import algorithms
 from shoal.experiments.algorithms import BuildContext, local_sgd
 from shoal.experiments.backends import SimBackend
 from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.malloc import reexec_with_tunables
 from shoal.experiments.train import compile_step, make_step
 from shoal.optim import BMUFState
 from shoal.optim.onebit import OneBitLambState
@@ -423,7 +424,22 @@ def fmt_params(width: int) -> str:
     return f"{count / 1e6:.2f}M" if count >= 1e5 else f"{count / 1e3:.1f}k"
 
 
+def chunk_specs(parser, specs: list[str]) -> list[tuple[int, int, int, int]]:
+    """``--chunk-case`` values as (W, N, K, B); a malformed one is a usage error."""
+    out = []
+    for spec in specs:
+        try:
+            w, n, k, batch = (int(v) for v in spec.split(","))
+        except ValueError:
+            parser.error(f"--chunk-case {spec!r}: expected W,N,K,B (four ints) or 'off'")
+        if min(w, n, k, batch) < 1 or n % k:
+            parser.error(f"--chunk-case {spec!r}: K = {k} must divide N = {n} (all >= 1)")
+        out.append((w, n, k, batch))
+    return out
+
+
 def main() -> None:
+    reexec_with_tunables()  # what shoal-run does: XLA's large buffers are kept, not refaulted
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", help=f"widths or parameter counts (default {DEFAULT_SIZES})")
     parser.add_argument("--workers", help=f"comma-separated N (default {DEFAULT_WORKERS})")
@@ -474,6 +490,15 @@ def main() -> None:
             else:
                 grid.append((w, n))
 
+    if args.chunk_case is not None:
+        chunk_cases = [] if args.chunk_case == ["off"] else args.chunk_case
+    elif not explicit:
+        chunk_cases = DEFAULT_CHUNK
+    else:  # the largest case measured, at its batch
+        w, n = max(grid, key=lambda c: n_params(c[0]) * c[1])
+        chunk_cases = [f"{w},{n},{max(1, n // 8)},{base_cfg.batch_size}"]
+    chunk_specs(parser, chunk_cases)  # bad specs fail before the long run, not after it
+
     load_start = os.getloadavg()
     wall_start = time.perf_counter()
     cases: list[Case] = []
@@ -496,21 +521,8 @@ def main() -> None:
         )
         cases.append(case)
 
-    if args.chunk_case is not None:
-        chunk_cases = [] if args.chunk_case == ["off"] else args.chunk_case
-    elif not explicit:
-        chunk_cases = DEFAULT_CHUNK
-    else:  # the largest case measured, at its batch
-        w, n = max(grid, key=lambda c: n_params(c[0]) * c[1])
-        chunk_cases = [f"{w},{n},{max(1, n // 8)},{base_cfg.batch_size}"]
     chunks = []
-    for spec in chunk_cases:
-        try:
-            w, n, k, batch = (int(v) for v in spec.split(","))
-        except ValueError:
-            parser.error(f"--chunk-case {spec!r}: expected W,N,K,B (four ints)")
-        if n % k:
-            parser.error(f"--chunk-case {spec!r}: K = {k} must divide N = {n}")
+    for w, n, k, batch in chunk_specs(parser, chunk_cases):
         same = (c for c in cases if (c.width, c.n, c.cfg.batch_size) == (w, n, batch))
         case = next(same, None) or Case(base_cfg, w, n, args, batch=batch)
         chunks.append(case.chunk(k, reps=CHUNK_REPS))
@@ -532,7 +544,12 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, backend={jax.default_backend()}, "
         f"jax {jax.__version__}, load average (1 min) {load_start[0]:.2f} at start, "
-        f"{load_end[0]:.2f} at end; total {wall:.1f} s"
+        f"{load_end[0]:.2f} at end; total {wall:.1f} s; malloc: "
+        + (
+            f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"
+            if os.environ.get("GLIBC_TUNABLES")
+            else "glibc defaults (SHOAL_MALLOC=system)"
+        )  # fmt: skip
     )
     print(
         "settings (steps per timed block x reps; bmuf rows: blocks of "

@@ -35,8 +35,9 @@ from shoal.experiments.config import Config, flatten
 
 FORMAT = 1
 KEEP = 2
-# Fields that may change between a run and its resumption without changing the training.
-IGNORED_FIELDS = frozenset({"name", "algorithms", "checkpoint_every"})
+# Fields that may change between a run and its resumption without changing the training
+# (grad_chunk: how many workers' gradients are computed at once, the same values).
+IGNORED_FIELDS = frozenset({"name", "algorithms", "checkpoint_every", "grad_chunk"})
 _NAME = re.compile(r"step_(\d+)\.(\d+)\.json$")
 
 
@@ -214,6 +215,8 @@ class Checkpointer:
                 f"its checkpoint {name} is from {saved.get('backend')!r}"
             )
         old, new = saved.get("config", {}), self.meta["config"]
+        # Checkpoints written before a field joined IGNORED_FIELDS still list it.
+        old = {k: v for k, v in old.items() if k.split(".")[0] not in IGNORED_FIELDS}
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 raise CheckpointError(

@@ -24,6 +24,7 @@ from shoal.experiments.analysis import Analysis, run_analysis
 from shoal.experiments.backends import make_backend
 from shoal.experiments.checkpoint import Checkpointer, CheckpointError
 from shoal.experiments.config import Config, ConfigError, apply_overrides, load_file
+from shoal.experiments.malloc import reexec_with_tunables
 from shoal.experiments.report import PLOTS, summary_table, write_run
 from shoal.experiments.study import Study, run_study
 from shoal.experiments.tasks import make_task
@@ -201,6 +202,8 @@ _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it alread
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a command, not a call from Python: XLA's buffers kept, see malloc.py
+        reexec_with_tunables()
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
     if args.servers < 0 or (args.servers and args.backend != "mpi"):

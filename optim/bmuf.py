@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.optim.inplace import run_if
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
@@ -94,7 +94,7 @@ def bmuf(
     global model ``W_g(t)`` that all workers restart from (as ``W_g(t) - params``, so
     exact up to one rounding; ``state.global_params`` holds it exactly). Only that step
     communicates: one all-reduce of the param-sized ``W_i - W_g(t-1)`` inside a
-    ``lax.cond`` on the rank-uniform step counter, ``2 (N - 1) / N`` times the param
+    branch on the rank-uniform step counter (`run_if`, in place), ``2 (N - 1) / N`` times the param
     bytes each way in ``state.wire.step`` (0 on the other steps). With ``t`` the 1-based
     index of the BMUF step and eqs. (1)-(3) above (``Delta(0) = 0``):
 
@@ -229,33 +229,28 @@ def block_update_filtering(
         step = uniform_over(flags, state.step)
         in_warmup = step < warmup_steps
         if warmup_steps:
-            updates = lax.cond(
-                in_warmup, lambda g: collective.all_reduce(g, "mean"), lambda g: g, updates
-            )
+            updates = run_if(in_warmup, lambda g: collective.all_reduce(g, "mean"), updates)
         local_updates, local_state = local.update(updates, state.inner_state, params, **extra_args)
-        new_local = optax.apply_updates(params, local_updates)
-        keep = (state.global_params, state.delta, state.filtered, state.block)
 
-        def local_step():
-            return local_updates, local_state, *keep, WireCount.zero()
-
-        def warmup_step():
-            # Warm-up is S-SGD, so new_local is the same on every worker: W_g (and W)
-            # track it and the first block starts from the synchronised model.
-            tracked = _cast_like(new_local, state.global_params)
-            filtered = tracked if two_buffers else state.filtered
+        # Each step below rewrites the carry in place (`run_if`): a local step leaves the
+        # global model, delta and filtered buffers untouched instead of copying them.
+        def warmup_step(carry):
+            # Warm-up is S-SGD, so the new local model is the same on every worker: W_g (and
+            # W) track it and the first block starts from the synchronised model.
+            out, local_state, w_g, delta, filtered, block, _ = carry
+            tracked = _cast_like(optax.apply_updates(params, out), w_g)
+            filtered = tracked if two_buffers else filtered
             wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates), n_models))
-            return local_updates, local_state, tracked, state.delta, filtered, state.block, wire
+            return out, local_state, tracked, delta, filtered, block, wire
 
-        def block_step():
-            s = state.block
+        def block_step(carry):
+            out, local_state, w_g, delta, filtered, s, _ = carry
             zeta, eta, eta_next = zeta_fn(s), eta_fn(s), eta_fn(s + 1)
-            w_g = state.global_params
+            new_local = optax.apply_updates(params, out)
             # All-reduce the block's progress rather than the models: same bytes, and the
             # mean of small differences loses less precision than a difference of means.
             g = collective.all_reduce(jax.tree.map(jnp.subtract, new_local, w_g), "mean")
-            delta = _lin(eta, state.delta, zeta, g)
-            filtered = state.filtered
+            delta = _lin(eta, delta, zeta, g)
             if not nesterov:
                 w_g = _lin(1.0, w_g, 1.0, delta)
             elif nbm == "seed":
@@ -263,22 +258,27 @@ def block_update_filtering(
             else:
                 filtered = _lin(1.0, filtered, 1.0, delta)
                 w_g = _lin(1.0, filtered, eta_next, delta)
-            restart = jax.tree.map(
-                lambda w, p, u: (w - p).astype(u.dtype), w_g, params, local_updates
-            )
-            new_state = local_state
+            restart = jax.tree.map(lambda w, p, u: (w - p).astype(u.dtype), w_g, params, out)
             if reset_local_state is not None:
-                new_state = _cast_like(reset_local_state(local_state, w_g), local_state)
+                local_state = _cast_like(reset_local_state(local_state, w_g), local_state)
             wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), n_models))
-            return restart, new_state, w_g, delta, filtered, s + 1, wire
+            return restart, local_state, w_g, delta, filtered, s + 1, wire
 
         k = step + 1 - warmup_steps  # steps into block training, this one included
         is_sync = (k >= 1) & (k % block_size == 0)
-        branches = [local_step, block_step] + ([warmup_step] if warmup_steps else [])
-        index = jnp.where(in_warmup, 2, is_sync.astype(jnp.int32)) if warmup_steps else is_sync
-        out, local_state, w_g, delta, filtered, block, wire = lax.switch(
-            jnp.asarray(index, jnp.int32), branches
+        carry = (
+            local_updates,
+            local_state,
+            state.global_params,
+            state.delta,
+            state.filtered,
+            state.block,
+            WireCount.zero(),
         )
+        carry = run_if(is_sync, block_step, carry)
+        if warmup_steps:
+            carry = run_if(in_warmup, warmup_step, carry)
+        out, local_state, w_g, delta, filtered, block, wire = carry
         wire = state.wire.record(wire)  # this update's bytes, added to the total
         new_state = BMUFState(
             local_state, w_g, delta, filtered, state.step + 1, block, state.skipped, wire
@@ -296,7 +296,7 @@ def _lin(a, x, b, y):
 
 
 def _cast_like(tree, like):
-    # lax.switch needs every branch to return identical dtypes (weak types included).
+    # A branch must return its carry's dtypes exactly (weak types included).
     return jax.tree.map(lambda x, ref: jnp.asarray(x).astype(jnp.result_type(ref)), tree, like)
 
 

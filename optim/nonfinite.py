@@ -4,7 +4,7 @@ A NaN or Inf in one worker's gradient must not reach the others (an average with
 NaN everywhere) nor stay in a residual, error-feedback buffer or momentum, where it would
 poison every later step. So every worker counts whether its gradient is finite, the count
 is all-reduced (one int32, ``2 (N-1)/N * 4`` bytes each way, in the state's wire count),
-and with ``bad > 0`` every worker takes the same branch of a ``lax.cond``:
+and with ``bad > 0`` every worker takes the same branch (`run_if`: in place):
 
 * ``"skip"`` (default): the step is skipped on every worker: the update is zero and the
   transformation's state is exactly what it was, except ``skipped += 1`` (the step
@@ -38,7 +38,8 @@ import optax
 from jax import lax
 
 from shoal.comms.collective import Collective
-from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
 from shoal.optim.validation import check_collective, require_params
 
 NONFINITE_POLICIES = ("skip", "raise", None)
@@ -53,9 +54,29 @@ def check_nonfinite(nonfinite: Any) -> None:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
 
 
+def any_nonfinite(x: jax.Array) -> jax.Array:
+    """True if any element of ``x`` is NaN or +-Inf, in one read pass of ``x``.
+
+    ``rows @ 0``: ``0 * v`` is 0 for every finite ``v`` (exactly, in float32, so no sum
+    can overflow) and NaN for NaN and +-Inf, and a dot reads its operand at memory
+    bandwidth, where ``all(isfinite(x))`` costs ~3 read passes on XLA:CPU (a predicate
+    array, then its reduction). The zeros pass an optimization barrier so that XLA
+    cannot fold ``x @ 0`` to 0.
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros((), bool)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([x.real, x.imag])
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    zeros = lax.optimization_barrier(jnp.zeros((rows.shape[1],), rows.dtype))
+    dot = jnp.dot(rows, zeros, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.isnan(jnp.sum(dot))
+
+
 def local_nonfinite(tree: Any) -> jax.Array:
     """int32 1 if any element of this worker's ``tree`` is NaN/Inf, else 0."""
-    flags = [~jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.size(x)]
+    flags = [any_nonfinite(x) for x in jax.tree.leaves(tree) if jnp.size(x)]
     if not flags:
         return jnp.zeros((), jnp.int32)
     return jnp.any(jnp.stack(flags)).astype(jnp.int32)
@@ -91,6 +112,18 @@ def _without_traffic(state: Any) -> Any:
     step sent nothing (its step count is 0), and the totals since init stay as they were."""
     is_wire = lambda x: isinstance(x, WireMeter)
     return jax.tree.map(lambda x: x.idle() if is_wire(x) else x, state, is_leaf=is_wire)
+
+
+def _idle_unless(ok: jax.Array, state: Any) -> Any:
+    """``state`` if ``ok``, else with every `WireMeter` idle (the meters are a few words)."""
+    is_wire = lambda x: isinstance(x, WireMeter)
+
+    def pick(x):
+        if not is_wire(x):
+            return x
+        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), x, x.idle())
+
+    return jax.tree.map(pick, state, is_leaf=is_wire)
 
 
 def guard(
@@ -129,16 +162,29 @@ def guard(
             wire = wire + WireCount.of(*all_reduce_bytes(4, c.size))
         report(bad, workers, nonfinite)
 
-        def run(_):
-            return update_fn(updates, state, params, **extra_args)
+        ok = bad == 0
+        run = lambda c: update_fn(c[0], c[1], params, **extra_args)
+        carry = (updates, state)
+        if not keeps_shape(run, carry):  # the update changes the gradient's dtype or tree
 
-        def skip(_):
-            zeros = jax.tree.map(jnp.zeros_like, updates)
-            return zeros, _without_traffic(state)
+            def skip(_):
+                zeros = jax.tree.map(jnp.zeros_like, updates)
+                return zeros, _without_traffic(state)
 
-        # bad is the same on every worker, so all take the same branch and the collectives
-        # inside run() are entered by all or by none.
-        new_updates, new_state = lax.cond(bad == 0, run, skip, None)
+            new_updates, new_state = lax.cond(ok, lambda _: run(carry), skip, None)
+        else:
+            if passthrough_bytes(run, carry) * 2 > tree_nbytes(updates):
+                # Much of the state is left as it was (BMUF's global model on a local
+                # step): a select would cost a pass over it, a 0-or-1-trip loop nothing.
+                new_updates, new_state = run_if(ok, run, carry)
+            else:
+                # The step rewrites its state element-wise: the select fuses into the
+                # kernels that compute it, and costs no pass of its own.
+                new_updates, new_state = run(carry)
+                keep = lambda new, old: jnp.where(ok, new, old)
+                new_state = jax.tree.map(keep, new_state, state)
+            new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
+            new_state = _idle_unless(ok, new_state)
         skipped = new_state.skipped + (bad > 0).astype(new_state.skipped.dtype)
         return new_updates, new_state._replace(skipped=skipped, wire=new_state.wire.add(wire))
 

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.optim.inplace import switch_inplace
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves
 
@@ -94,8 +94,8 @@ def partial_exchange(
     ``s_k`` with its own packing of ``P_k`` bins and exchanges bin ``(t - s_k) mod P_k``,
     so every switch restarts at bin 0. Steps before the first key use
     ``budget_fraction``; with a key 0 it is unused (but still validated). All packings
-    are made at trace time and one ``lax.switch`` on the step counter picks the
-    (segment, bin) branch, so a schedule never retraces. Each branch counts only its own
+    are made at trace time and one in-place switch (`switch_inplace`) on the step counter
+    picks the (segment, bin) branch, so a schedule never retraces. Each branch counts only its own
     bytes: ``2 (N - 1) / N`` times the bin's bytes each way. The branch follows the
     state's step counter, so every worker must init together and make every update (on
     MPI, workers on different steps would join different all-reduces).
@@ -141,13 +141,13 @@ def partial_exchange(
             sent = all_reduce_bytes(sum(nbytes[i] for i in bin_leaves), n_workers)
             if len(bin_leaves) == len(leaves):
 
-                def run(g):
-                    return collective.all_reduce(g, op="mean"), WireCount.of(*sent)
+                def run(carry):
+                    return collective.all_reduce(carry[0], op="mean"), WireCount.of(*sent)
 
                 return run
 
-            def run(g):
-                flat = jax.tree.leaves(g)
+            def run(carry):
+                flat = jax.tree.leaves(carry[0])
                 mean = collective.all_reduce([flat[i] for i in bin_leaves], op="mean")
                 for i, m in zip(bin_leaves, mean):
                     flat[i] = m
@@ -174,9 +174,10 @@ def partial_exchange(
         if not leaves:
             out, wire, flat_bin = updates, WireCount.zero(), jnp.full((), -1, jnp.int32)
         elif len(branches) == 1:
-            out, wire = branches[0](updates)
+            out, wire = branches[0]((updates, None))
         else:
-            out, wire = lax.switch(flat_bin, branches, updates)
+            # In place: the bin's leaves are rewritten, the others are not copied.
+            out, wire = switch_inplace(flat_bin, branches, (updates, WireCount.zero()))
         wire = state.wire.record(wire)
         return out, PartialExchangeState(t + 1, flat_bin, fraction, state.skipped, wire)
 

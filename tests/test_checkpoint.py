@@ -146,6 +146,18 @@ def test_all_checkpoints_corrupt_is_an_error_naming_them(tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_resume_with_another_grad_chunk(tmp_path, capsys):
+    """grad_chunk only changes how many workers' gradients are computed at once: a run
+    resumes under another one, also from a checkpoint whose config still lists it."""
+    folder = _stopped_at_6(tmp_path)
+    side = json.loads((folder / "step_6.0.json").read_text())
+    side["config"]["grad_chunk"] = "None"  # as written before grad_chunk was ignored
+    (folder / "step_6.0.json").write_text(json.dumps(side))
+    capsys.readouterr()
+    assert run(tmp_path, "--resume", "--set", "grad_chunk=2", algorithms=("ssgd",)) == 0
+    assert records(tmp_path / "metrics.jsonl")[-1]["step"] == STEPS
+
+
 def test_incompatible_resume_is_refused(tmp_path, capsys):
     _stopped_at_6(tmp_path)
     capsys.readouterr()

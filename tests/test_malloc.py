@@ -1,0 +1,51 @@
+"""`shoal.experiments.malloc`: commands restart once with glibc's heap kept."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shoal.experiments import malloc
+
+PROBE = (
+    "import os; from shoal.experiments.malloc import reexec_with_tunables; "
+    "print('start', os.getpid(), flush=True); reexec_with_tunables(); "
+    "print('env', os.getpid(), os.environ.get('GLIBC_TUNABLES', ''))"
+)
+glibc = pytest.mark.skipif(not malloc.sys.platform.startswith("linux"), reason="glibc only")
+
+
+def probe(**env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_MALLOC", "GLIBC"))}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**full, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\n")
+
+
+@glibc
+def test_restarts_once_with_the_tunables_same_process():
+    lines = probe()
+    starts = [line.split()[1] for line in lines if line.startswith("start")]
+    pid, tunables = next(line.split()[1:] for line in lines if line.startswith("env"))
+    assert len(starts) == 2 and starts[0] == starts[1] == pid  # execve: the same PID
+    assert tunables == malloc.TUNABLES
+
+
+@glibc
+def test_keeps_the_users_tunables_and_honours_system():
+    lines = probe(GLIBC_TUNABLES="glibc.malloc.tcache_count=0")
+    tunables = next(line.split()[2] for line in lines if line.startswith("env"))
+    assert tunables == "glibc.malloc.tcache_count=0:" + malloc.TUNABLES
+    lines = probe(SHOAL_MALLOC="system")
+    assert sum(line.startswith("start") for line in lines) == 1
+    assert next(line for line in lines if line.startswith("env")).split()[2:] == []
+
+
+def test_readme_exports_the_same_tunables():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert re.findall(r"export GLIBC_TUNABLES=(\S+)", readme) == [malloc.TUNABLES]
