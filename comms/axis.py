@@ -94,7 +94,7 @@ class AxisCollective:
             rows = lax.all_gather(x, self.axis_name)
             if op in ("max", "min"):
                 return (jnp.max if op == "max" else jnp.min)(rows, axis=0)
-            total = _sum_rows(rows)
+            total = sum_rows(rows)
             return (total / self.size).astype(x.dtype) if op == "mean" else total
 
         return jax.tree.map(one, tree)
@@ -179,7 +179,7 @@ class AxisCollective:
         return AxisCollective(intra_axis, group_size), AxisCollective(inter_axis, groups)
 
 
-def _sum_rows(rows: jax.Array) -> jax.Array:
+def sum_rows(rows: jax.Array) -> jax.Array:
     """``rows.sum(0)`` at memory bandwidth: a dot with a ones vector for floats (f32
     accumulation, full precision also on GPUs that would use TF32), a plain sum for the
     small integer flags and counts."""

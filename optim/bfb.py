@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from shoal.comms.agreement import check_same_structure
+from shoal.comms.axis import sum_rows
 from shoal.comms.collective import Collective
 from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
 from shoal.comms.mpi import MPICollective
@@ -136,14 +137,14 @@ def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):
     if intra is not None:
         # Step 1: reduce-scatter inside the node; local rank l keeps slice l, summed.
         got = intra.all_to_all(buf.reshape(local, -1))
-        part = _sum_rows(got.astype(acc)).astype(plan.dtype).reshape(-1, k)
+        part = sum_rows(got.astype(acc)).astype(plan.dtype).reshape(-1, k)
         sent += all_to_all_bytes(n, local)[0]
     m = n // local  # this worker's slice
     if servers is not None:
         total = servers.exchange(part, tag).astype(acc)
         sent += m
     else:
-        mine = _sum_rows(collective.all_to_all(part).astype(acc))
+        mine = sum_rows(collective.all_to_all(part).astype(acc))
         total = collective.all_gather(mine.astype(plan.dtype)).astype(acc)
         sent += all_to_all_bytes(m, collective.size)[0]
         sent += all_gather_bytes(m // collective.size, collective.size)[0]
@@ -151,15 +152,6 @@ def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):
         total = intra.all_gather(total.astype(plan.dtype)).astype(acc)
         sent += all_gather_bytes(m, local)[0]
     return total.reshape(buf.shape), sent
-
-
-def _sum_rows(x):
-    # Row by row: XLA:CPU turns ``x.sum(0)`` over a few long rows into a fusion measured
-    # 60-90x slower than these adds (benchmarks/bfb_allreduce.py).
-    total = x[0]
-    for row in x[1:]:
-        total = total + row
-    return total
 
 
 def _check_servers(servers, collective, intra, workers: int) -> None:
