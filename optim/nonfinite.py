@@ -4,7 +4,7 @@ A NaN or Inf in one worker's gradient must not reach the others (an average with
 NaN everywhere) nor stay in a residual, error-feedback buffer or momentum, where it would
 poison every later step. So every worker counts whether its gradient is finite, the count
 is all-reduced (one int32, ``2 (N-1)/N * 4`` bytes each way, in the state's wire count),
-and with ``bad > 0`` every worker takes the same branch (`run_if`: in place):
+and with ``bad > 0`` every worker skips alike (how, below):
 
 * ``"skip"`` (default): the step is skipped on every worker: the update is zero and the
   transformation's state is exactly what it was, except ``skipped += 1`` (the step
@@ -22,6 +22,15 @@ construction): its own state is protected, and it returns a zero update, which o
 chained after it still apply (a momentum then decays one step). To skip a whole
 ``optax.chain`` as one, wrap it in `skip_nonfinite` and build its members with
 ``nonfinite=None`` (one flag all-reduce per step instead of one per member).
+
+How a step is skipped: the count is one read pass over the gradient (`any_nonfinite`),
+and the skip itself is chosen to copy as little as XLA allows. A transformation that leaves most
+of its state as it was (BMUF's global model on a local step) runs inside `run_if`, a
+branch that updates the state in place. One that rewrites its state element-wise runs
+every step and ``where(ok, new, old)`` keeps the old state on a bad step: the select
+fuses into the kernels that compute the new state, where a branch would copy it. Its
+collectives then run on a bad step too, on every worker alike, and their results are
+discarded with the rest (the wire count still reports 0 bytes for that step).
 
 GTC needs no extra collective: its all-gather header carries the flag (see `gtc`).
 """

@@ -2,7 +2,7 @@
 as signs, through the error-compensated `shoal.comms.compressed_allreduce`.
 
 Both run in two stages on a rank-uniform step counter ``t = 1, 2, ...`` (a real
-``lax.cond``, so each step runs only its own collectives):
+in-place branch, `run_if`, so each step runs only its own collectives):
 
 * warm-up, ``t <= freeze_step``: the optimizer on the all-reduced gradient (Adam or
   LAMB, no bias correction); at ``t == freeze_step`` the second moment ``v`` is frozen;
@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
@@ -40,6 +39,7 @@ from shoal.comms.compressed import (
     compressed_allreduce_init,
 )
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.optim.inplace import run_if
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
@@ -260,26 +260,27 @@ def onebit_adam(
         n = _numel(updates)
         c_bytes = compressed_allreduce_bytes(max(n, 1), size)
 
-        def warmup(_):
+        # Each stage rewrites the carry in place (`run_if`, like every rank-uniform branch).
+        def warmup(carry):
+            mu, nu, we, se, _ = carry
             g = _f32(collective.all_reduce(leaves, "mean"))
             new_mu = [b1 * m + (1 - b1) * x for m, x in zip(mu, g)]
             new_nu = [b2 * v + (1 - b2) * x * x for v, x in zip(nu, g)]
-            wire = _warmup_wire(updates, size)
-            return new_mu, new_nu, state.worker_error, state.server_error, wire
+            return new_mu, new_nu, we, se, _warmup_wire(updates, size)
 
-        def compressed(_):
+        def compressed(carry):
+            mu, nu, we, se, _ = carry
             local = [b1 * m + (1 - b1) * x for m, x in zip(mu, _f32(leaves))]
-            new_mu, we, se = _compressed_mean(
-                local, state.worker_error, state.server_error, collective
-            )
+            new_mu, we, se = _compressed_mean(local, we, se, collective)
             return _apply_mask(new_mu, mask), nu, we, se, WireCount.of(*c_bytes)
 
+        carry = (mu, nu, state.worker_error, state.server_error, WireCount.zero())
         if n == 0:
-            new = warmup(None)
+            new = warmup(carry)
         else:
             # The stage is the same on every worker: a real branch (not both stages) under vmap.
             stage = collective.uniform(state.count) < freeze_step
-            new = lax.cond(stage, warmup, compressed, None)
+            new = run_if(~stage, compressed, run_if(stage, warmup, carry))
         new_mu, new_nu, we, se, wire = new
         lr = _lr(learning_rate, state.count)
         out = [
@@ -422,7 +423,9 @@ def onebit_lamb(
         t = state.count + 1
         lr = _lr(learning_rate, state.count)
 
-        def warmup(_):
+        # Each stage rewrites the carry in place (`run_if`, like every rank-uniform branch).
+        def warmup(carry):
+            _, mu, nu, nu_fresh, coeff_avg, last_factor, scale, we, se, _ = carry
             g = _f32(collective.all_reduce(leaves, "mean"))
             new_mu = [b1 * m + (1 - b1) * x for m, x in zip(mu, g)]
             new_nu = [b2 * v + (1 - b2) * x * x for v, x in zip(nu, g)]
@@ -440,11 +443,11 @@ def onebit_lamb(
             fresh = [jnp.where(t == freeze_step, v, f) for v, f in zip(new_nu, nu_fresh)]
             wire = _warmup_wire(updates, size)
             return (
-                out, new_mu, new_nu, fresh, new_avg, last_factor, scale,
-                state.worker_error, state.server_error, wire,
+                out, new_mu, new_nu, fresh, new_avg, last_factor, scale, we, se, wire,
             )  # fmt: skip
 
-        def compressed(_):
+        def compressed(carry):
+            _, mu, nu, nu_fresh, coeff_avg, last_factor, scale, we, se, _ = carry
             # Scales from the warm-up momentum, once: they even out the layers' momentum
             # magnitudes so one shared 1-bit scale does not drown the small layers.
             r = [_norm(m) / math.sqrt(max(m.size, 1)) for m in mu]
@@ -453,9 +456,7 @@ def onebit_lamb(
             first = t == freeze_step + 1
             sc = [jnp.where(first, a, b) for a, b in zip(fresh_scale, scale)]
             local = [(b1 * m + (1 - b1) * x) * k for m, x, k in zip(mu, _f32(leaves), sc)]
-            new_mu, we, se = _compressed_mean(
-                local, state.worker_error, state.server_error, collective
-            )
+            new_mu, we, se = _compressed_mean(local, we, se, collective)
             new_mu = _apply_mask([m / k for m, k in zip(new_mu, sc)], mask)
             out, fresh, factors = [], [], []
             for m, m_last, v, vf, w, avg, f_last in zip(
@@ -482,12 +483,13 @@ def onebit_lamb(
                 WireCount.of(*c_bytes),
             )  # fmt: skip
 
+        carry = (_f32(leaves), *s, state.worker_error, state.server_error, WireCount.zero())
         if n == 0:
-            new = warmup(None)
+            new = warmup(carry)
         else:
             # The stage is the same on every worker: a real branch (not both stages) under vmap.
             stage = collective.uniform(state.count) < freeze_step
-            new = lax.cond(stage, warmup, compressed, None)
+            new = run_if(~stage, compressed, run_if(stage, warmup, carry))
         out, *trees, we, se, wire = new
         trees = [treedef.unflatten([jnp.asarray(x, jnp.float32) for x in tr]) for tr in trees]
         wire = state.wire.record(wire)

@@ -324,12 +324,13 @@ def _primitives(jaxpr):
 
 
 @pytest.mark.mpi
-def test_stages_are_a_real_cond():
-    """With a rank-uniform (unbatched) counter the stages are two branches of one cond:
-    warm-up all-reduces, compression exchanges signs, never both. (Under vmap an
-    all-to-all/all-gather becomes a transpose/broadcast, so only MPI shows them.)"""
+def test_stages_are_real_branches():
+    """With a rank-uniform (unbatched) counter the stages are two in-place branches
+    (`run_if`: a loop of 0 or 1 trips each): warm-up all-reduces, compression exchanges
+    signs, never both. (Under vmap an all-to-all/all-gather becomes a transpose/broadcast,
+    so only MPI shows them.)"""
     params, grads = make_problem(N, seed=6)
-    # nonfinite=None: no skip cond around the stages.
+    # nonfinite=None: no skip around the stages.
     tx = onebit_lamb(0.01, collective=world(), freeze_step=2, nonfinite=None)
     state = tx.init(params)
     g0 = jax.tree.map(lambda x: x[:, 0], grads)
@@ -341,9 +342,12 @@ def test_stages_are_a_real_cond():
             lambda g, s: tx.update(g, s, params), in_axes=(0, None), axis_name="workers"
         )
     jaxpr = jax.make_jaxpr(update)(g0, state).jaxpr
-    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    assert len(conds) == 1
-    compressed, warmup = (_primitives(b.jaxpr) for b in conds[0].params["branches"])
+    loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    assert len(loops) == 2
+    for e in loops:  # the predicate (first carry) is one scalar, not one per worker
+        pred = e.invars[e.params["cond_nconsts"] + e.params["body_nconsts"]]
+        assert pred.aval.shape == () and pred.aval.dtype == bool
+    warmup, compressed = (_primitives(e.params["body_jaxpr"].jaxpr) for e in loops)
     # Under vmap the simulated all-reduce is a dot with a ones vector over the gathered rows.
     marks = ("psum", "allreduce") if UNDER_MPI else ("dot_general",)
     reduces = lambda names: any(k in x for x in names for k in marks)
