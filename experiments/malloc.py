@@ -12,8 +12,8 @@ the largest ``trim_threshold`` it keeps freed ones for the next step, and with
 peak memory until it exits.
 
 glibc reads ``GLIBC_TUNABLES`` when a process starts, so `reexec_with_tunables` restarts
-the current command with them (``shoal-run`` and the benchmarks call it first thing);
-``SHOAL_MALLOC=system`` keeps glibc's defaults. In your own scripts, export
+the current command with them (``shoal-run`` and ``benchmarks/sim_scale.py`` call it
+first thing); ``SHOAL_MALLOC=system`` keeps glibc's defaults. In your own scripts, export
 ``GLIBC_TUNABLES`` as `TUNABLES` says before starting Python.
 """
 
