@@ -29,6 +29,7 @@ from shoal.comms.collective import (
     check_perm,
     check_root,
     check_size,
+    sum_rows,
 )
 
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -177,16 +178,3 @@ class AxisCollective:
 
         groups = check_group_size(self.size, group_size)
         return AxisCollective(intra_axis, group_size), AxisCollective(inter_axis, groups)
-
-
-def sum_rows(rows: jax.Array) -> jax.Array:
-    """``rows.sum(0)`` at memory bandwidth: a dot with a ones vector for floats (f32
-    accumulation, full precision also on GPUs that would use TF32), a plain sum for the
-    small integer flags and counts."""
-    if not jnp.issubdtype(rows.dtype, jnp.floating):
-        return jnp.sum(rows, axis=0, dtype=rows.dtype)
-    n = rows.shape[0]
-    flat = rows.reshape(n, -1)
-    acc = jnp.float32 if rows.dtype.itemsize < 4 else rows.dtype
-    total = jnp.dot(jnp.ones((n,), acc), flat.astype(acc), precision=lax.Precision.HIGHEST)
-    return total.reshape(rows.shape[1:]).astype(rows.dtype)

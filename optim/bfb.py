@@ -18,8 +18,7 @@ import numpy as np
 import optax
 
 from shoal.comms.agreement import check_same_structure
-from shoal.comms.axis import sum_rows
-from shoal.comms.collective import Collective
+from shoal.comms.collective import Collective, sum_rows
 from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
 from shoal.comms.mpi import MPICollective
 from shoal.comms.servers import Layout, ParameterServers

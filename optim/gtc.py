@@ -26,7 +26,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
-from shoal.optim.nonfinite import check_nonfinite, report
+from shoal.optim.nonfinite import any_nonfinite, check_nonfinite, report
 from shoal.optim.validation import check_collective, check_floating_leaves, check_positive
 
 MAX_BUFFER_ELEMENTS = 2**31 - 1  # 31 index bits per word
@@ -151,7 +151,7 @@ def gtc(
         if nonfinite is None:
             header = count.astype(jnp.int32)
         else:
-            header = jnp.where(jnp.all(jnp.isfinite(g)), count, -1).astype(jnp.int32)
+            header = jnp.where(any_nonfinite(g), -1, count).astype(jnp.int32)
         gathered = collective.all_gather(jnp.concatenate([header[None], words]))
         counts = gathered[:, 0]
         bad = jnp.sum(counts < 0, dtype=jnp.int32)

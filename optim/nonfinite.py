@@ -124,15 +124,9 @@ def _without_traffic(state: Any) -> Any:
 
 
 def _idle_unless(ok: jax.Array, state: Any) -> Any:
-    """``state`` if ``ok``, else with every `WireMeter` idle (the meters are a few words)."""
-    is_wire = lambda x: isinstance(x, WireMeter)
-
-    def pick(x):
-        if not is_wire(x):
-            return x
-        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), x, x.idle())
-
-    return jax.tree.map(pick, state, is_leaf=is_wire)
+    """``state`` if ``ok``, else `_without_traffic` (only the meters' few words differ)."""
+    idle = _without_traffic(state)
+    return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), state, idle)
 
 
 def guard(
