@@ -439,7 +439,7 @@ def chunk_specs(parser, specs: list[str]) -> list[tuple[int, int, int, int]]:
 
 
 def main() -> None:
-    reexec_with_tunables()  # what shoal-run does: XLA's large buffers are kept, not refaulted
+    reexec_with_tunables()  # as shoal-run: the heap kept under SHOAL_MALLOC=keep
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", help=f"widths or parameter counts (default {DEFAULT_SIZES})")
     parser.add_argument("--workers", help=f"comma-separated N (default {DEFAULT_WORKERS})")
@@ -548,7 +548,7 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
         + (
             f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"
             if os.environ.get("GLIBC_TUNABLES")
-            else "glibc defaults (SHOAL_MALLOC=system)"
+            else "glibc defaults (SHOAL_MALLOC=keep not set)"
         )  # fmt: skip
     )
     print(

@@ -202,7 +202,7 @@ _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it alread
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a command, not a call from Python: XLA's buffers kept, see malloc.py
+    if argv is None:  # a command, not a call from Python: SHOAL_MALLOC=keep, see malloc.py
         reexec_with_tunables()
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)

@@ -1,4 +1,5 @@
-"""`shoal.experiments.malloc`: commands restart once with glibc's heap kept."""
+"""`shoal.experiments.malloc`: with SHOAL_MALLOC=keep, commands restart once with
+glibc's heap kept; by default nothing changes."""
 
 import os
 import re
@@ -28,8 +29,8 @@ def probe(**env):
 
 
 @glibc
-def test_restarts_once_with_the_tunables_same_process():
-    lines = probe()
+def test_opt_in_restarts_once_with_the_tunables_same_process():
+    lines = probe(SHOAL_MALLOC="keep")
     starts = [line.split()[1] for line in lines if line.startswith("start")]
     pid, tunables = next(line.split()[1:] for line in lines if line.startswith("env"))
     assert len(starts) == 2 and starts[0] == starts[1] == pid  # execve: the same PID
@@ -37,11 +38,15 @@ def test_restarts_once_with_the_tunables_same_process():
 
 
 @glibc
-def test_keeps_the_users_tunables_and_honours_system():
-    lines = probe(GLIBC_TUNABLES="glibc.malloc.tcache_count=0")
+def test_keeps_the_users_tunables():
+    lines = probe(SHOAL_MALLOC="keep", GLIBC_TUNABLES="glibc.malloc.tcache_count=0")
     tunables = next(line.split()[2] for line in lines if line.startswith("env"))
     assert tunables == "glibc.malloc.tcache_count=0:" + malloc.TUNABLES
-    lines = probe(SHOAL_MALLOC="system")
+
+
+@pytest.mark.parametrize("setting", [None, "system", "other"])
+def test_glibc_defaults_unless_asked(setting):
+    lines = probe(**({} if setting is None else {"SHOAL_MALLOC": setting}))
     assert sum(line.startswith("start") for line in lines) == 1
     assert next(line for line in lines if line.startswith("env")).split()[2:] == []
 
