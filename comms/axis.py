@@ -37,12 +37,17 @@ _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 @dataclasses.dataclass(frozen=True)
 class AxisCollective:
-    """Collectives over the named axis ``axis_name`` whose size must be ``size``.
+    """Collectives over the named axis ``axis_name`` whose size must be ``size``: a
+    ``vmap`` axis (simulated workers) or a mesh axis under ``jax.shard_map`` (devices,
+    with JAX's default ``check_vma=True``).
 
     Example::
 
         coll = AxisCollective("workers", 4)
         step = jax.vmap(lambda g: coll.all_reduce(g), axis_name="workers")
+        mesh = jax.sharding.Mesh(jax.devices()[:4], ("workers",))
+        step = jax.shard_map(lambda g: coll.all_reduce(g), mesh=mesh,
+                             in_specs=P("workers"), out_specs=P("workers"))
     """
 
     axis_name: str

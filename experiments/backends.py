@@ -237,11 +237,8 @@ class JaxBackend(_HostComm):
             out = fn(*jax.tree.map(lambda a: a[0], args))
             return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
 
-        # check_vma=False: the collectives are written for vmap, where every value varies
-        # over the workers; e.g. a lax.cond whose one branch all-reduces must type-check.
-        mapped = jax.jit(
-            jax.shard_map(per_worker, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-        )
+        # JAX's default checks: shoal's branches agree on what varies over the mesh axes.
+        mapped = jax.jit(jax.shard_map(per_worker, mesh=mesh, in_specs=spec, out_specs=spec))
 
         def run(*args):
             return mapped(*jax.tree.map(lambda a: self._global(a, sharding), args))

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.comms import vma
+
 __all__ = ["gtc_pack_reference", "gtc_unpack_reference"]
 
 GROUP = 64  # elements per group: an 8x8 bit matrix
@@ -212,7 +214,7 @@ def gtc_pack_reference(
     if not lead:
         located = locate(values, tau, offset)
         count = located[-1]
-        words = lax.cond(count > 0, _decode, lambda *a: jnp.zeros(capacity, jnp.int32), *located)
+        words = vma.cond(count > 0, _decode, lambda *a: jnp.zeros(capacity, jnp.int32), *located)
         return words, count, _residual(values, tau, words, count)
 
     batch = math.prod(lead)
@@ -221,7 +223,7 @@ def gtc_pack_reference(
     offset = jnp.broadcast_to(offset, lead).reshape(batch)
     located = jax.vmap(locate)(values, tau, offset)
     count = located[-1]
-    words = lax.cond(
+    words = vma.cond(
         jnp.any(count > 0),
         jax.vmap(_decode),
         lambda *a: jnp.zeros((batch, capacity), jnp.int32),

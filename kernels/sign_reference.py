@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.comms import vma
+
 __all__ = ["rms", "sign_pack_reference", "sign_unpack_reference"]
 
 
@@ -41,7 +43,7 @@ def rms(values: jax.Array) -> jax.Array:
         return jnp.where(redo & (jnp.isinf(plain) | (plain < _TINY)), again, plain)
 
     suspect = jnp.isinf(plain) | (plain < _TINY)  # False for NaN
-    return lax.cond(jnp.any(suspect), rescaled, lambda: plain)
+    return vma.cond(jnp.any(suspect), rescaled, lambda: plain)
 
 
 def negative_bits(values: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
+from shoal.comms.shards import check_sharded_alike, worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
 from shoal.optim.nonfinite import any_nonfinite, check_nonfinite, report
@@ -143,6 +144,7 @@ def gtc(
         cap = resolve_capacity(capacity, n)
         tau = jnp.asarray(threshold, jnp.float32)
 
+        check_sharded_alike("gtc", leaves, collective)
         g = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
         r = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state.residual)])
         a = g + r
@@ -151,7 +153,8 @@ def gtc(
         if nonfinite is None:
             header = count.astype(jnp.int32)
         else:
-            header = jnp.where(any_nonfinite(g), -1, count).astype(jnp.int32)
+            bad_here = worker_max(any_nonfinite(g), collective)  # any shard of the worker
+            header = jnp.where(bad_here, -1, count).astype(jnp.int32)
         gathered = collective.all_gather(jnp.concatenate([header[None], words]))
         counts = gathered[:, 0]
         bad = jnp.sum(counts < 0, dtype=jnp.int32)

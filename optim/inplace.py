@@ -24,6 +24,8 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.comms.vma import axes_of, joint, vary, vary_as
+
 
 def run_if(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
     """``fn(carry)`` if ``pred`` else ``carry``, updating ``carry``'s buffers in place.
@@ -42,18 +44,28 @@ def run_if(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:
         w = run_if(step % 10 == 9, lambda w: w * 0.5, w)
     """
     carry = jax.tree.map(jnp.asarray, carry)
-    if not keeps_shape(fn, carry):
+    out = jax.eval_shape(fn, carry)
+    if _shapes(out) != _shapes(carry):
         raise ValueError(
             "run_if: fn must return a tree like its carry (structure, shapes, dtypes); "
-            f"carry {_shapes(carry)}, fn returned {_shapes(jax.eval_shape(fn, carry))}"
+            f"carry {_shapes(carry)}, fn returned {_shapes(out)}"
         )
+    # Under shard_map's default check the carry must vary over the same mesh axes before
+    # and after the body: ``fn`` may return an all-reduced value (varying over fewer axes)
+    # or mix in a worker's own (more). Widen the carry until ``fn`` keeps it; under vmap
+    # nothing varies over a mesh axis and this costs no trace.
+    pred = jnp.asarray(pred, bool)
+    axes = joint(carry, out)
+    while joint(widened := vary_as(carry, axes)) != joint(carry):
+        carry = widened
+        axes = joint(carry, jax.eval_shape(fn, carry))
 
     def body(state):
         _, c = state
         new = jax.tree.map(lambda n, o: n.astype(o.dtype), fn(c), c)  # weak types as carry's
-        return jnp.zeros((), bool), new
+        return vary(jnp.zeros((), bool), axes_of(pred)), vary_as(new, axes)
 
-    _, carry = lax.while_loop(lambda s: s[0], body, (jnp.asarray(pred, bool), carry))
+    _, carry = lax.while_loop(lambda s: s[0], body, (pred, carry))
     return carry
 
 

@@ -29,6 +29,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
+from shoal.comms.shards import worker_sum
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
@@ -80,11 +81,11 @@ def _check_batch_size(value: Any) -> None:
         raise ValueError(f"local_batch_size must be a positive int, got {value!r}")
 
 
-def _sq_norm(tree: Any) -> jax.Array:
-    """``sum_i x_i^2`` over every leaf, accumulated in float32."""
+def _sq_norm(tree: Any, collective: Any) -> jax.Array:
+    """``sum_i x_i^2`` over every leaf of the whole worker (all its shards), in float32."""
     leaves = jax.tree.leaves(tree)
     return sum(
-        (jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in leaves),
+        (worker_sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))), collective) for x in leaves),
         jnp.zeros((), jnp.float32),
     )
 
@@ -165,11 +166,11 @@ def gradient_noise_scale(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         check_floating_leaves("updates", updates)
-        local_sq = _sq_norm(updates)
+        local_sq = _sq_norm(updates, collective)
         # The squared norm rides in the gradient's all-reduce: no extra message, whose
         # latency would double the exchange's on a large cluster.
         updates, small_sq = collective.all_reduce((updates, local_sq), op="mean")
-        big_sq = _sq_norm(updates)
+        big_sq = _sq_norm(updates, collective)
 
         b = jnp.asarray(local_batch_size, jnp.float32)
         g2_t = (n * big_sq - small_sq) / (n - 1)

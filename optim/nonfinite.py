@@ -46,7 +46,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from shoal.comms import vma
 from shoal.comms.collective import Collective
+from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
 from shoal.optim.validation import check_collective, require_params
@@ -158,7 +160,8 @@ def guard(
             require_params(needs_params, params)
         if not jax.tree.leaves(updates):  # nothing to check, nothing to send
             return update_fn(updates, state, params, **extra_args)
-        bad = local_nonfinite(updates)
+        # A worker spanning devices is bad if any of its shards is (`shoal.comms.shards`).
+        bad = worker_max(local_nonfinite(updates), collectives)
         wire = WireCount.zero()
         for c in collectives:
             bad = c.all_reduce(bad, "sum")
@@ -174,7 +177,7 @@ def guard(
                 zeros = jax.tree.map(jnp.zeros_like, updates)
                 return zeros, _without_traffic(state)
 
-            new_updates, new_state = lax.cond(ok, lambda _: run(carry), skip, None)
+            new_updates, new_state = vma.cond(ok, lambda _: run(carry), skip, None)
         else:
             if passthrough_bytes(run, carry) * 2 > tree_nbytes(updates):
                 # Much of the state is left as it was (BMUF's global model on a local

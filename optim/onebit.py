@@ -38,6 +38,7 @@ from shoal.comms.compressed import (
     compressed_allreduce_bytes,
     compressed_allreduce_init,
 )
+from shoal.comms.shards import check_sharded_alike, worker_max, worker_size, worker_sum
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import run_if
 from shoal.optim.nonfinite import check_nonfinite, guard
@@ -152,8 +153,9 @@ def _f32(leaves):
     return [jnp.asarray(x, jnp.float32) for x in leaves]
 
 
-def _norm(x):
-    return jnp.sqrt(jnp.sum(x * x))
+def _norm(x, collective):
+    # Of the whole leaf: a worker spanning devices sums its shards' (`shoal.comms.shards`).
+    return jnp.sqrt(worker_sum(jnp.sum(x * x), collective))
 
 
 def _numel(params) -> int:
@@ -254,6 +256,7 @@ def onebit_adam(
         require_params("onebit_adam", params)
         check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
+        check_sharded_alike("onebit_adam", leaves, collective)
         p = _f32(treedef.flatten_up_to(params))
         mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         mask = None if momentum_mask is None else treedef.flatten_up_to(momentum_mask)
@@ -414,6 +417,7 @@ def onebit_lamb(
         require_params("onebit_lamb", params)
         check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
+        check_sharded_alike("onebit_lamb", leaves, collective)
         p = _f32(treedef.flatten_up_to(params))
         s = [treedef.flatten_up_to(x) for x in state[1:7]]  # mu ... scale
         mu, nu, nu_fresh, coeff_avg, last_factor, scale = s
@@ -432,7 +436,7 @@ def onebit_lamb(
             out, new_avg = [], []
             for m, v, w, avg in zip(new_mu, new_nu, p, coeff_avg):
                 u = m / (jnp.sqrt(v) + eps) + weight_decay * w
-                w_norm, u_norm = _norm(w), _norm(u)
+                w_norm, u_norm = _norm(w, collective), _norm(u, collective)
                 ok = (w_norm > 0) & (u_norm > 0)
                 ratio = jnp.clip(w_norm / jnp.where(ok, u_norm, 1.0), min_coeff, max_coeff)
                 coeff = jnp.where(ok, ratio, 1.0)
@@ -450,7 +454,7 @@ def onebit_lamb(
             _, mu, nu, nu_fresh, coeff_avg, last_factor, scale, we, se, _ = carry
             # Scales from the warm-up momentum, once: they even out the layers' momentum
             # magnitudes so one shared 1-bit scale does not drown the small layers.
-            r = [_norm(m) / math.sqrt(max(m.size, 1)) for m in mu]
+            r = [_norm(m, collective) / math.sqrt(max(worker_size(m, collective), 1)) for m in mu]
             united = sum(r) / len(r)
             fresh_scale = [jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r]
             first = t == freeze_step + 1
@@ -467,11 +471,10 @@ def onebit_lamb(
                 denom = jnp.sqrt(v) + eps
                 u_pre = m / denom
                 u = u_pre + weight_decay * w
-                f = jnp.max(denom / (jnp.sqrt(vf) + eps))
-                u_norm = _norm(u)
-                rho = jnp.where(
-                    u_norm > 0, jnp.minimum(1.0, _norm(u_pre) / jnp.where(u_norm > 0, u_norm, 1)), 1
-                )
+                f = worker_max(jnp.max(denom / (jnp.sqrt(vf) + eps)), collective)
+                u_norm = _norm(u, collective)
+                ratio = _norm(u_pre, collective) / jnp.where(u_norm > 0, u_norm, 1)
+                rho = jnp.where(u_norm > 0, jnp.minimum(1.0, ratio), 1)
                 f = jnp.where(weight_decay > 0, f * rho + (1 - rho), f)
                 f = jnp.clip(f, factor_min, factor_max)
                 f = jnp.clip(f, f_last * (1 - factor_threshold), f_last * (1 + factor_threshold))

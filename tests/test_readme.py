@@ -1,6 +1,9 @@
 """The README's example runs and does what it says."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -15,3 +18,22 @@ def test_readme_example_runs(capsys):
     total = "[612, 612, 612, 612]"
     assert capsys.readouterr().out == f"WireCount(sent={total}, received={total})\n"
     assert namespace["w"].shape == (4, 8, 8)
+
+
+def section_code(title: str) -> str:
+    """The first python block under the README's section ``title``."""
+    section = README.read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+
+
+def test_readme_mesh_example_runs(tmp_path):
+    # As a user runs it: a fresh process (its XLA_FLAGS line must come before jax starts).
+    script = tmp_path / "mesh.py"
+    script.write_text(section_code("The same code on a device mesh"))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total = "[612, 612, 612, 612]"  # the vmap example's bytes, on 4 devices
+    assert proc.stdout == f"WireCount(sent={total}, received={total})\n"
