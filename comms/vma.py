@@ -57,7 +57,7 @@ def agreeing(fns: Sequence[Callable[..., Any]], *operands: Any) -> list[Callable
     by leaf: the union over all branches, found by tracing them abstractly."""
     outs = [jax.eval_shape(fn, *operands) for fn in fns]
     if any(jax.tree.structure(o) != jax.tree.structure(outs[0]) for o in outs):
-        return list(fns)  # lax.cond / lax.switch raise their own, clearer error
+        return list(fns)  # lax.cond raises its own, clearer error
     axes = joint(*outs)
     return [lambda *a, fn=fn: vary_as(fn(*a), axes) for fn in fns]
 
@@ -65,8 +65,3 @@ def agreeing(fns: Sequence[Callable[..., Any]], *operands: Any) -> list[Callable
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
     """``lax.cond`` whose branches may disagree on what varies over a manual axis."""
     return lax.cond(pred, *agreeing([true_fn, false_fn], *operands), *operands)
-
-
-def switch(index: Any, fns: Sequence[Callable], *operands: Any) -> Any:
-    """``lax.switch`` whose branches may disagree on what varies over a manual axis."""
-    return lax.switch(index, agreeing(fns, *operands), *operands)
