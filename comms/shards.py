@@ -18,7 +18,7 @@ counts, which count the bytes between workers.
 
 Example::
 
-    sq = worker_sum(jnp.sum(g * g), collective)   # |g|^2 of the whole worker
+    sq_w, sq_b = worker_sums([jnp.sum(w * w), jnp.sum(b * b)], collective)  # whole leaves
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 
 from shoal.comms.vma import axes_of
@@ -44,10 +45,20 @@ def worker_axes(x: Any, collectives: Any) -> tuple[str, ...]:
     return tuple(sorted(axes_of(x) - _worker_axis_names(collectives)))
 
 
-def worker_sum(x: Any, collectives: Any) -> Any:
-    """``x`` summed over the devices of its worker that hold different shards."""
-    axes = worker_axes(x, collectives)
-    return lax.psum(x, axes) if axes else x
+def worker_sums(xs: Sequence[Any], collectives: Any) -> list[Any]:
+    """Each scalar in ``xs`` (e.g. one squared norm per leaf) summed over the devices of
+    its worker that hold different shards: one collective per distinct set of shard
+    axes, not one per scalar."""
+    out = list(xs)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(worker_axes(x, collectives), []).append(i)
+    for axes, idx in groups.items():
+        if axes:
+            summed = lax.psum(jnp.stack([xs[i] for i in idx]), axes)
+            for j, i in enumerate(idx):
+                out[i] = summed[j]
+    return out
 
 
 def worker_max(x: Any, collectives: Any) -> Any:

@@ -29,7 +29,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.shards import worker_sum
+from shoal.comms.shards import worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
@@ -83,11 +83,8 @@ def _check_batch_size(value: Any) -> None:
 
 def _sq_norm(tree: Any, collective: Any) -> jax.Array:
     """``sum_i x_i^2`` over every leaf of the whole worker (all its shards), in float32."""
-    leaves = jax.tree.leaves(tree)
-    return sum(
-        (worker_sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))), collective) for x in leaves),
-        jnp.zeros((), jnp.float32),
-    )
+    squares = [jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree)]
+    return sum(worker_sums(squares, collective), jnp.zeros((), jnp.float32))
 
 
 def gradient_noise_scale(

@@ -38,7 +38,7 @@ from shoal.comms.compressed import (
     compressed_allreduce_bytes,
     compressed_allreduce_init,
 )
-from shoal.comms.shards import check_sharded_alike, worker_max, worker_size, worker_sum
+from shoal.comms.shards import check_sharded_alike, worker_max, worker_size, worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import run_if
 from shoal.optim.nonfinite import check_nonfinite, guard
@@ -153,9 +153,10 @@ def _f32(leaves):
     return [jnp.asarray(x, jnp.float32) for x in leaves]
 
 
-def _norm(x, collective):
-    # Of the whole leaf: a worker spanning devices sums its shards' (`shoal.comms.shards`).
-    return jnp.sqrt(worker_sum(jnp.sum(x * x), collective))
+def _norms(xs, collective):
+    """The norm of each array in ``xs``, of the whole leaf: a worker that spans devices
+    sums its shards' squares, in one collective for all (`shoal.comms.shards`)."""
+    return [jnp.sqrt(q) for q in worker_sums([jnp.sum(x * x) for x in xs], collective)]
 
 
 def _numel(params) -> int:
@@ -433,10 +434,10 @@ def onebit_lamb(
             g = _f32(collective.all_reduce(leaves, "mean"))
             new_mu = [b1 * m + (1 - b1) * x for m, x in zip(mu, g)]
             new_nu = [b2 * v + (1 - b2) * x * x for v, x in zip(nu, g)]
+            us = [m / (jnp.sqrt(v) + eps) + weight_decay * w for m, v, w in zip(new_mu, new_nu, p)]
+            norms = _norms([*p, *us], collective)
             out, new_avg = [], []
-            for m, v, w, avg in zip(new_mu, new_nu, p, coeff_avg):
-                u = m / (jnp.sqrt(v) + eps) + weight_decay * w
-                w_norm, u_norm = _norm(w, collective), _norm(u, collective)
+            for u, w_norm, u_norm, avg in zip(us, norms[: len(p)], norms[len(p) :], coeff_avg):
                 ok = (w_norm > 0) & (u_norm > 0)
                 ratio = jnp.clip(w_norm / jnp.where(ok, u_norm, 1.0), min_coeff, max_coeff)
                 coeff = jnp.where(ok, ratio, 1.0)
@@ -454,7 +455,8 @@ def onebit_lamb(
             _, mu, nu, nu_fresh, coeff_avg, last_factor, scale, we, se, _ = carry
             # Scales from the warm-up momentum, once: they even out the layers' momentum
             # magnitudes so one shared 1-bit scale does not drown the small layers.
-            r = [_norm(m, collective) / math.sqrt(max(worker_size(m, collective), 1)) for m in mu]
+            sizes = [math.sqrt(max(worker_size(m, collective), 1)) for m in mu]
+            r = [x / k for x, k in zip(_norms(mu, collective), sizes)]
             united = sum(r) / len(r)
             fresh_scale = [jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r]
             first = t == freeze_step + 1
@@ -462,24 +464,27 @@ def onebit_lamb(
             local = [(b1 * m + (1 - b1) * x) * k for m, x, k in zip(mu, _f32(leaves), sc)]
             new_mu, we, se = _compressed_mean(local, we, se, collective)
             new_mu = _apply_mask([m / k for m, k in zip(new_mu, sc)], mask)
-            out, fresh, factors = [], [], []
-            for m, m_last, v, vf, w, avg, f_last in zip(
-                new_mu, mu, nu, nu_fresh, p, coeff_avg, last_factor
-            ):
+            fresh, u_pres, us, raw = [], [], [], []
+            for m, m_last, v, vf, w in zip(new_mu, mu, nu, nu_fresh, p):
                 g_rec = (m - b1 * m_last) / (1 - b1)
                 vf = b2 * vf + (1 - b2) * g_rec * g_rec
                 denom = jnp.sqrt(v) + eps
-                u_pre = m / denom
-                u = u_pre + weight_decay * w
-                f = worker_max(jnp.max(denom / (jnp.sqrt(vf) + eps)), collective)
-                u_norm = _norm(u, collective)
-                ratio = _norm(u_pre, collective) / jnp.where(u_norm > 0, u_norm, 1)
+                u_pres.append(m / denom)
+                us.append(u_pres[-1] + weight_decay * w)
+                raw.append(jnp.max(denom / (jnp.sqrt(vf) + eps)))
+                fresh.append(vf)
+            # The worker's norms and maxima, each in one collective when it spans devices.
+            norms = _norms([*us, *u_pres], collective)
+            raw = worker_max(jnp.stack(raw), collective)
+            out, factors = [], []
+            for i, (u, avg, f_last) in enumerate(zip(us, coeff_avg, last_factor)):
+                u_norm, pre_norm, f = norms[i], norms[len(us) + i], raw[i]
+                ratio = pre_norm / jnp.where(u_norm > 0, u_norm, 1)
                 rho = jnp.where(u_norm > 0, jnp.minimum(1.0, ratio), 1)
                 f = jnp.where(weight_decay > 0, f * rho + (1 - rho), f)
                 f = jnp.clip(f, factor_min, factor_max)
                 f = jnp.clip(f, f_last * (1 - factor_threshold), f_last * (1 + factor_threshold))
                 out.append(-lr * avg * f * u)
-                fresh.append(vf)
                 factors.append(f)
             return (
                 out, new_mu, nu, fresh, coeff_avg, factors, sc, we, se,

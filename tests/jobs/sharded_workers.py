@@ -3,11 +3,11 @@
 ``python sharded_workers.py OUT.npz`` on 8 host devices: a mesh ``("workers", "fsdp")``
 of 2 x 4 and of 4 x 2 devices, every leaf of a worker sharded over ``"fsdp"`` (the
 ``_mixed`` cases add a leaf replicated over it). Each case trains 6 steps inside
-``jax.shard_map`` (default checks) and stores the final params (``CASE/WxK/mesh/i``)
-beside its reference (``CASE/WxK/ref/i``): the same run with one device per worker
-(``vmap`` over whole leaves), or, for 1-bit Adam's compressed stage, which compresses
-each shard on its own, the one-device run of each shard. A refused case stores
-``CASE/WxK/error``.
+``jax.shard_map`` (default checks) and stores the final params, and the noise scale
+where there is one (``CASE/WxK/mesh/i``), beside its reference (``CASE/WxK/ref/i``):
+the same run with one device per worker (``vmap`` over whole leaves), or, for 1-bit
+Adam's compressed stage, which compresses each shard on its own, the one-device run of
+each shard. A refused case stores ``CASE/WxK/error``.
 """
 
 import sys
@@ -15,6 +15,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import mesh_cases  # the same trainer and per-device block (this folder is on sys.path)
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -49,6 +50,7 @@ CASES = {
 for _name in ("ssgd", "gtc", "bmuf"):
     CASES[_name + "_nan"] = CASES[_name]  # a NaN in one shard of one worker at step 2
 CASES["ssgd_mixed"] = CASES["ssgd"]
+CASES["noise_scale_mixed"] = CASES["noise_scale"]  # norms of sharded and replicated leaves
 CASES["gtc_mixed"] = CASES["gtc"]  # refused: a fused buffer of sharded and replicated leaves
 PER_SHARD = {"onebit_adam"}  # reference: each shard on its own
 SAME_START = {"onebit_lamb"}  # every worker starts from the same params (checked: stay equal)
@@ -70,14 +72,16 @@ def data(case, workers):
 
 
 def trainer(tx):
-    def train(params, grads):
-        state = tx.init(params)
-        for g in grads:
-            updates, state = tx.update(g, state, params)
-            params = optax.apply_updates(params, updates)
-        return params
+    """`mesh_cases.trainer`, final params only (a sharded state has no single out-spec),
+    and the noise scale where there is one (a whole worker's: the same on its devices)."""
+    train = mesh_cases.trainer(tx)
 
-    return train
+    def run(params, grads):
+        params, state = train(params, grads)
+        scale = optim.noise_scale(state)
+        return params if scale is None else {**params, "noise_scale": scale}
+
+    return run
 
 
 def on_mesh(case, workers, shards, params, grads):
@@ -85,13 +89,10 @@ def on_mesh(case, workers, shards, params, grads):
                 ("workers", "fsdp"))  # fmt: skip
     coll = AxisCollective("workers", workers)
     spec = {k: P("workers", "fsdp") if k in SHAPES else P("workers") for k in params}
-    train = trainer(CASES[case](coll))
-
-    def block(params, grads):  # a device's block of each leaf: [1, rows / shards, ...]
-        strip = lambda t: jax.tree.map(lambda a: a[0], t)
-        return jax.tree.map(lambda a: a[None], train(strip(params), strip(grads)))
-
-    mapped = jax.shard_map(block, mesh=mesh, in_specs=(spec, [spec] * STEPS), out_specs=spec)
+    out_spec = {**spec, "noise_scale": P("workers")} if case.startswith("noise") else spec
+    # A device's block of each leaf: [1, rows / shards, ...].
+    block = mesh_cases.per_worker(trainer(CASES[case](coll)))
+    mapped = jax.shard_map(block, mesh=mesh, in_specs=(spec, [spec] * STEPS), out_specs=out_spec)
     return jax.jit(mapped)(params, grads)
 
 
