@@ -37,7 +37,7 @@ from jax import lax
 
 from shoal.comms.collective import Collective, check_size
 from shoal.comms.wire import all_gather_bytes, all_to_all_bytes
-from shoal.kernels import sign_pack, sign_unpack
+from shoal.kernels.sign import sign_pack, sign_unpack
 
 __all__ = [
     "compressed_allreduce",

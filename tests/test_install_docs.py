@@ -1,8 +1,12 @@
 """The README's install commands are the ones `make` runs (install.sh), and shoal has a version."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 import shoal
@@ -42,3 +46,14 @@ def test_install_sh_pins_the_jax_of_pyproject():
 def test_version():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert shoal.__version__ == version
+
+
+# Found by a benchmark that imported shoal.kernels first: kernels -> comms -> compressed ->
+# kernels (half initialised) raised ImportError. Each package must import on its own.
+@pytest.mark.parametrize(
+    "module", ["shoal.kernels", "shoal.comms", "shoal.optim", "shoal.experiments.cli"]
+)
+def test_each_package_imports_first(module):
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                         text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
