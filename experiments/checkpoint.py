@@ -114,9 +114,10 @@ def _fsync_dir(folder: Path) -> None:
 class Checkpointer:
     """Saves and finds the checkpoints of one algorithm on one process.
 
-    ``meta`` identifies the run (algorithm, workers, backend, config); `load` refuses a
-    checkpoint whose workers or config differ. ``comm`` (an mpi4py communicator, or None
-    for a single process) makes every process agree on the step they resume from.
+    ``meta`` identifies the run (algorithm, workers, backend, devices per worker, config);
+    `load` refuses a checkpoint whose workers, devices per worker or config differ.
+    ``comm`` (an mpi4py communicator, or None for a single process) makes every process
+    agree on the step they resume from.
     """
 
     def __init__(self, root: Path, algorithm: str, cfg: Config, backend: Any):
@@ -130,6 +131,8 @@ class Checkpointer:
             "algorithm": algorithm,
             "workers": cfg.workers,
             "backend": backend.name,
+            # A worker of K devices saves its devices' pieces: another K cannot read them.
+            "devices_per_worker": getattr(backend, "devices_per_worker", 1),
             "rank": self.rank,
             "config_fingerprint": fingerprint(fields),
             "config": fields,
@@ -203,6 +206,13 @@ class Checkpointer:
         name = self.path(step)
         if saved.get("algorithm") != self.meta["algorithm"]:
             raise CheckpointError(f"{name} is of algorithm {saved.get('algorithm')!r}")
+        k_saved, k_now = saved.get("devices_per_worker", 1), self.meta["devices_per_worker"]
+        if k_saved != k_now:
+            raise CheckpointError(
+                f"cannot resume {self.meta['algorithm']} with --devices-per-worker {k_now}: "
+                f"its checkpoint {name} holds workers of {k_saved} devices each (resume with "
+                f"--devices-per-worker {k_saved})"
+            )
         if saved.get("workers") != self.meta["workers"]:
             raise CheckpointError(
                 f"cannot resume {self.meta['algorithm']} with {self.meta['workers']} workers: "

@@ -6,6 +6,7 @@ Usage::
     shoal-run quickstart --set steps=500 algorithms=ssgd,gtc
     mpiexec -n 4 shoal-run quickstart --backend mpi
     mpiexec -n 4 shoal-run quickstart --backend jax
+    mpiexec -n 2 shoal-run quickstart --backend jax --devices-per-worker 4  # 8 devices: 2 workers
     shoal-run experiments/configs/acoustic_study.py   # a Study: tables over worker counts
 """
 
@@ -18,6 +19,8 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
+
+import jax
 
 from shoal.experiments import algorithms
 from shoal.experiments.analysis import Analysis, run_analysis
@@ -51,14 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers",
         type=int,
-        help="number of workers (with --backend mpi: the MPI world size; jax: the devices)",
+        help="number of workers (with --backend mpi: the MPI world size; jax: the devices "
+        "over --devices-per-worker)",
     )
     p.add_argument(
         "--backend",
         choices=("sim", "mpi", "jax"),
         default="sim",
         help="sim: N workers in this process (vmap); mpi: one worker per rank under mpiexec; "
-        "jax: one worker per device of a jax.distributed job under mpiexec (shard_map)",
+        "jax: one worker per device (or per --devices-per-worker devices) of a "
+        "jax.distributed job under mpiexec (shard_map)",
+    )
+    p.add_argument(
+        "--devices-per-worker",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --backend jax: each worker spans K consecutive devices (a mesh "
+        "workers x fsdp): its parameters and optimizer state are sharded over them and "
+        "its batch split among them; the workers are the devices / K",
     )
     p.add_argument(
         "--servers",
@@ -93,12 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_workers(backend: str, configured: int, requested: int | None, world: int) -> int:
+def resolve_workers(
+    backend: str, configured: int, requested: int | None, world: int, devices_per_worker: int = 1
+) -> int:
     """The number of workers: ``--workers`` (or the config) for ``sim``; the world size for
-    ``mpi``, where an explicit request that disagrees is an error."""
+    ``mpi`` and ``jax`` (there the devices over ``devices_per_worker``), where an explicit
+    request that disagrees is an error."""
     if backend == "sim":
         return configured if requested is None else requested
     if requested is not None and requested != world:
+        if backend == "jax":
+            raise ConfigError(
+                f"--workers {requested} disagrees with the {world} workers of this job "
+                f"({world * devices_per_worker} devices, --devices-per-worker "
+                f"{devices_per_worker}): change the devices or --devices-per-worker, or drop "
+                f"--workers"
+            )
         raise ConfigError(
             f"--workers {requested} disagrees with the MPI world size {world}: "
             f"launch with `mpiexec -n {requested}` or drop --workers"
@@ -120,14 +144,27 @@ def _setup(args, backend, loaded):
     if explicit is not None and explicit < 1:
         raise ConfigError(f"--workers must be >= 1, got {explicit}")
     world = backend.size if backend is not None else 1
-    workers = resolve_workers(args.backend, cfg.workers, explicit, world)
+    k = args.devices_per_worker
+    workers = resolve_workers(args.backend, cfg.workers, explicit, world, k)
     try:
         cfg = dataclasses.replace(cfg, workers=workers)
     except ValueError as e:
         raise ConfigError(f"with {workers} workers: {e}") from None
     algorithms.check_known(cfg.algorithms, cfg)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
+    if k > 1:
+        check_devices_per_worker(cfg, k)
     return cfg
+
+
+def check_devices_per_worker(cfg: Config, k: int) -> None:
+    """Raise `ConfigError` unless workers of ``k`` devices can train ``cfg``: the batch
+    must split evenly over a worker's devices."""
+    if cfg.batch_size % k:
+        raise ConfigError(
+            f"batch_size = {cfg.batch_size} per worker must be a multiple of "
+            f"--devices-per-worker {k}: each device takes an equal share of its worker's batch"
+        )
 
 
 # Fields a study sets per run from its rows.
@@ -201,9 +238,18 @@ class _QuietNonFinite(logging.Filter):
 _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it already has
 
 
+def _malloc_default(argv: list[str]) -> str:
+    """``"keep"`` for one worker per process (``--backend mpi|jax``), else ``"system"``:
+    the `SHOAL_MALLOC` default (see `shoal.experiments.malloc`)."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--backend", default="sim")
+    backend = peek.parse_known_args(argv)[0].backend
+    return "keep" if backend in ("mpi", "jax") else "system"
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a command, not a call from Python: SHOAL_MALLOC=keep, see malloc.py
-        reexec_with_tunables()
+    if argv is None:  # a command, not a call from Python: restart with the heap kept?
+        reexec_with_tunables(default=_malloc_default(sys.argv[1:]))
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
     if args.servers < 0 or (args.servers and args.backend != "mpi"):
@@ -212,11 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         print("shoal-run: error: --stop-after must be >= 1", file=sys.stderr)
         return 2
+    k = args.devices_per_worker
+    if k < 1 or (k > 1 and args.backend != "jax"):
+        why = "must be >= 1" if k < 1 else f"needs --backend jax, not --backend {args.backend}"
+        print(f"shoal-run: error: --devices-per-worker {k} {why}", file=sys.stderr)
+        return 2
     # MPI (or jax.distributed) must exist before the config is resolved: its world size is
     # the worker count.
     backend = None
     if args.backend != "sim":
-        backend = make_backend(args.backend, servers=args.servers)
+        try:
+            backend = make_backend(args.backend, servers=args.servers,
+                                   devices_per_worker=args.devices_per_worker)  # fmt: skip
+        except ValueError as e:  # K does not divide the devices: every process finds it
+            if args.backend == "jax" and jax.process_index() == 0:
+                print(f"shoal-run: error: {e}", file=sys.stderr)
+            return 2
     if backend is not None and backend.is_server:
         return _serve(backend, args.server_timeout)
     try:
@@ -257,7 +314,8 @@ def _main(args, argv, backend) -> int:
     elif args.backend == "jax":
         command = f"mpiexec -n {backend.comm.Get_size()} {command}"
     if is_root:
-        print(f"{cfg.name}: {cfg.workers} workers ({args.backend}), {cfg.steps} steps, "
+        each = f", {args.devices_per_worker} devices each" if args.devices_per_worker > 1 else ""
+        print(f"{cfg.name}: {cfg.workers} workers ({args.backend}{each}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
     # Checkpoints only when asked for: periodically, or to stop and resume.

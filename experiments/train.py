@@ -32,8 +32,9 @@ class RunResult:
     """What one algorithm's run produced.
 
     ``records`` (one dict per step) and ``summary`` exist on the root process only.
-    ``params`` are the final parameters of this process's workers, stacked on a
-    leading axis (all workers for ``sim``, this rank's for ``mpi``). ``finished`` is False
+    ``params`` are the final parameters of this process's workers, whole leaves stacked on
+    a leading axis (all workers for ``sim``, this rank's for ``mpi``, those whose first
+    device is here for ``jax``). ``finished`` is False
     when the run stopped early (``max_steps``) after step ``step``; it continues with
     ``resume``. ``trained`` counts the steps this call ran.
     """
@@ -73,6 +74,12 @@ def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False, g
         return params, opt_state, (loss, wire.sent, wire.received, density, noise, skipped)
 
     return step
+
+
+# How the `make_step` metrics of a worker's devices make the worker's (`backend.by_worker`):
+# the loss, noise scale and skip count are the worker's on each of its devices; each device
+# sends and receives its own pieces; the density is per piece, and the pieces equal-sized.
+METRIC_OPS = ("first", "sum", "sum", "mean", "first", "first")
 
 
 def check_grad_chunk(grad_chunk: int, backend: str, workers: int) -> None:
@@ -215,14 +222,17 @@ def train(
         first = state["step"] + 1
         if state["finished"]:
             summary = state["summary"] if backend.is_root else None
-            return RunResult(algorithm, records, summary, state["params"], step=cfg.steps)
+            return RunResult(algorithm, records, summary, backend.whole_params(params),
+                             step=cfg.steps)  # fmt: skip
         checkpoints.remove(newer_than=state["step"])  # stale ones, past a corrupt newest
     elif checkpoints is not None:
         checkpoints.remove()  # a fresh run: no old run's checkpoint may mix in
     injection = cfg.injection()
     # With cfg.grad_chunk the gradients run a chunk of workers at a time (`compile_step`).
-    compile_ = functools.partial(compile_step, backend, task.loss, inject=injection is not None,
-                                 group_size=group_size, grad_chunk=cfg.grad_chunk)  # fmt: skip
+    # A worker of several devices: each device differentiates `backend.device_loss`.
+    compile_ = functools.partial(compile_step, backend, backend.device_loss(task.loss),
+                                 inject=injection is not None, group_size=group_size,
+                                 grad_chunk=cfg.grad_chunk)  # fmt: skip
     step_fn = compile_(tx)
 
     def save(step: int, finished: bool = False, summary: dict[str, Any] | None = None) -> None:
@@ -251,7 +261,7 @@ def train(
             fault = np.zeros(backend.size, np.float32)
             if step == injection[0]:
                 fault[injection[1]] = np.nan
-            args.append(backend.local(fault))
+            args.append(backend.local(fault, batch=False))
         try:
             params, opt_state, metrics = step_fn(params, opt_state, *args)
             gathered = backend.gather(backend.stacked(metrics))
@@ -282,6 +292,9 @@ def train(
         if backend.is_root:
             loss, sent, received, density, noise, skipped = gathered
             sent, received = np.asarray(sent), np.asarray(received)  # exact int64
+            loss, sent, received, density, noise, skipped = backend.by_worker(
+                (loss, sent, received, density, noise, skipped), METRIC_OPS
+            )
             sent_total += sent
             received_total += received
             rec = {
@@ -314,7 +327,7 @@ def train(
             save(step)
     bar.close()
     if stop < cfg.steps:
-        return RunResult(algorithm, records, None, backend.stacked(params), finished=False,
+        return RunResult(algorithm, records, None, backend.whole_params(params), finished=False,
                          step=stop, trained=stop - first + 1)  # fmt: skip
     wall = time.perf_counter() - start
 
@@ -340,7 +353,7 @@ def train(
             summary.update(projection.project_run(cfg, algorithm, task, policy_changes))
     if checkpoints is not None:
         save(cfg.steps, finished=True, summary=summary)
-    return RunResult(algorithm, records, summary, backend.stacked(params), step=cfg.steps,
+    return RunResult(algorithm, records, summary, backend.whole_params(params), step=cfg.steps,
                      trained=cfg.steps - first + 1)  # fmt: skip
 
 

@@ -46,6 +46,15 @@ CASES = {
     "zero workers": (["--workers", "0"], ["--workers", "0"]),
     "zero workers via --set": (["--set", "workers=0"], ["workers=0", "'workers'"]),
     "servers without mpi": (["--servers", "2"], ["--servers", "--backend mpi"]),
+    "devices per worker without jax": (
+        ["--devices-per-worker", "2"],
+        ["--devices-per-worker 2", "--backend jax", "--backend sim"],
+    ),
+    "devices per worker with mpi": (
+        ["--devices-per-worker", "2", "--backend", "mpi"],
+        ["--devices-per-worker 2", "--backend jax", "--backend mpi"],
+    ),
+    "zero devices per worker": (["--devices-per-worker", "0"], ["--devices-per-worker 0", ">= 1"]),
 }
 
 

@@ -1,5 +1,5 @@
-"""`shoal.experiments.malloc`: with SHOAL_MALLOC=keep, commands restart once with
-glibc's heap kept; by default nothing changes."""
+"""`shoal.experiments.malloc`: with SHOAL_MALLOC=keep (the default of `shoal-run --backend
+mpi|jax`), commands restart once with glibc's heap kept; otherwise nothing changes."""
 
 import os
 import re
@@ -54,3 +54,27 @@ def test_glibc_defaults_unless_asked(setting):
 def test_readme_exports_the_same_tunables():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert re.findall(r"export GLIBC_TUNABLES=(\S+)", readme) == [malloc.TUNABLES]
+
+
+@glibc
+@pytest.mark.parametrize(("setting", "restarts"), [(None, True), ("system", False)])
+def test_a_keep_default_restarts_unless_the_user_says_system(setting, restarts):
+    code = PROBE.replace("reexec_with_tunables()", "reexec_with_tunables(default='keep')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_MALLOC", "GLIBC"))}
+    if setting is not None:
+        env["SHOAL_MALLOC"] = setting
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert sum(line.startswith("start") for line in lines) == (2 if restarts else 1)
+    tunables = next(line for line in lines if line.startswith("env")).split()[2:]
+    assert tunables == ([malloc.TUNABLES] if restarts else [])
+
+
+def test_shoal_run_keeps_the_heap_for_one_worker_per_process():
+    from shoal.experiments.cli import _malloc_default
+
+    assert _malloc_default(["quickstart", "--backend", "mpi"]) == "keep"
+    assert _malloc_default(["quickstart", "--backend=jax", "--devices-per-worker", "2"]) == "keep"
+    assert _malloc_default(["quickstart"]) == "system"
+    assert _malloc_default(["quickstart", "--backend", "sim", "--set", "steps=3"]) == "system"
