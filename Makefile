@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile install.sh
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8
+	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8 --overwrite
 
 test: test-sim test-nb test-mpi
 
@@ -47,11 +47,11 @@ bench: $(STAMP)
 
 # The longer experiments behind the README's results (minutes each on 2 cores).
 study: $(STAMP)
-	$(BIN)/shoal-run experiments/configs/gtc_sweep.py
-	$(BIN)/shoal-run experiments/configs/acoustic_study.py
-	$(BIN)/shoal-run experiments/configs/onebit_lamb_lm.py
-	$(BIN)/shoal-run experiments/configs/herring_table3.py
-	$(BIN)/shoal-run experiments/configs/kungfu.py
+	$(BIN)/shoal-run experiments/configs/gtc_sweep.py --overwrite
+	$(BIN)/shoal-run experiments/configs/acoustic_study.py --overwrite
+	$(BIN)/shoal-run experiments/configs/onebit_lamb_lm.py --overwrite
+	$(BIN)/shoal-run experiments/configs/herring_table3.py --overwrite
+	$(BIN)/shoal-run experiments/configs/kungfu.py --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -20,7 +20,12 @@ hyper-parameters, so that ``--set gtc_threshold=0.01`` works. `build` wraps what
 builder returns in `shoal.optim.skip_nonfinite` (one non-finite check for the whole
 chain, as ``cfg.nonfinite`` says), hence ``nonfinite=None`` inside. ``register(..., check=f)``
 adds ``f(cfg)``, which raises `ConfigError` for settings the algorithm cannot run; it is
-called before any training.
+called before any training. ``register(..., fields=(...))`` declares the `Config` fields
+that are the algorithm's own hyper-parameters (those it reads that no other part of a
+run does): ``--resume`` then ignores changes to other algorithms' fields, so a changed
+``gtc_threshold`` still resumes ``ssgd`` (see `unused_fields`). Fields that no algorithm
+declares (task, model, seed, workers, batch, learning rate, ...) concern every algorithm.
+An algorithm registered without ``fields`` is taken to depend on every field.
 
 An entry of ``Config.algorithms`` may carry its own overrides in brackets, separated
 by ``;``: ``"gtc[gtc_threshold=0.01;gtc_capacity=0.05]"`` trains ``gtc`` with those
@@ -71,13 +76,16 @@ class Algorithm:
     """A registered builder; ``two_tier``: it takes ``(intra, inter)``; ``context``: it
     takes a third argument, the `BuildContext`; ``check(cfg)`` raises `ConfigError` for a
     config it cannot run (None: any config); ``policy`` names the
-    `shoal.experiments.policies.Policy` that may change its config fields during a run."""
+    `shoal.experiments.policies.Policy` that may change its config fields during a run;
+    ``fields`` are its own hyper-parameters' `Config` fields (None: undeclared, it may
+    depend on any field)."""
 
     build: Builder
     two_tier: bool = False
     check: Callable[[Config], None] | None = None
     context: bool = False
     policy: str | None = None
+    fields: frozenset[str] | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -90,16 +98,31 @@ def register(
     check: Callable[[Config], None] | None = None,
     context: bool = False,
     policy: str | None = None,
+    fields: tuple[str, ...] | None = None,
 ) -> Callable[[Builder], Builder]:
-    """Decorator: make ``builder`` available to configs as ``name``."""
+    """Decorator: make ``builder`` available to configs as ``name``; ``fields``: the
+    `Config` fields of its own hyper-parameters (see the module docstring)."""
+    own = None if fields is None else frozenset(fields)
 
     def add(builder: Builder) -> Builder:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context, policy)
+        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context, policy, own)
         return builder
 
     return add
+
+
+def unused_fields(entry: str) -> frozenset[str]:
+    """`Config` fields that cannot change what ``entry`` trains: the fields other
+    registered algorithms declare as their own and ``entry``'s algorithm does not. Empty
+    for an algorithm that declares no ``fields`` (it may read any). The entry's bracketed
+    overrides are part of its name, so they need no field here."""
+    algo = ALGORITHMS.get(parse_entry(entry)[0])
+    if algo is None or algo.fields is None:
+        return frozenset()
+    declared = frozenset().union(*(a.fields or () for a in ALGORITHMS.values()))
+    return declared - algo.fields
 
 
 def parse_entry(entry: str) -> tuple[str, list[str]]:
@@ -171,19 +194,30 @@ def build(
     return skip_nonfinite(tx, collective=comms, nonfinite=sub.nonfinite)
 
 
+# The hyper-parameters of several algorithms (`register`'s ``fields``).
+_GTC = ("gtc_threshold", "gtc_capacity")
+_BMUF = ("block_size", "block_lr", "block_momentum", "nesterov", "nbm", "warmup_steps",
+         "reset_inner_state")  # fmt: skip
+_LAMB = ("lamb_learning_rate", "lamb_b1", "lamb_b2", "weight_decay", "lamb_lr_warmup",
+         "lamb_lr_decay")  # fmt: skip
+# adaptive runs ssgd_noise, then pgx (at adaptive_fraction), as its policy decides.
+_ADAPTIVE = ("noise_ema", "pgx_fraction", "adaptive_fraction", "adaptive_sync", "policy_every",
+             "policy_after", "noise_threshold")  # fmt: skip
+
+
 def local_sgd(cfg: Config) -> optax.GradientTransformation:
     """The local optimizer of every algorithm, SGD with heavy-ball momentum: chained after
     the gradient exchange of ``ssgd`` and ``gtc``, wrapped by ``bmuf`` and ``bmuf_gtc``."""
     return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
 
 
-@register("ssgd")
+@register("ssgd", fields=())
 def ssgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous SGD: all-reduce (mean) the gradients every step, then `local_sgd`."""
     return optax.chain(allreduce_gradients(collective=collective, nonfinite=None), local_sgd(cfg))
 
 
-@register("gtc")
+@register("gtc", fields=_GTC)
 def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""
     return optax.chain(
@@ -192,7 +226,7 @@ def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("bfb", context=True)
+@register("bfb", context=True, fields=("bfb_buffer_bytes",))
 def bfb(cfg: Config, collective: Any, context: BuildContext) -> optax.GradientTransformation:
     """Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`), then `local_sgd`:
     the mean gradient, reduced buffer by buffer in the order the backward pass produces
@@ -242,7 +276,7 @@ def _check_bmuf_gtc(cfg: Config) -> None:
     _check_blocks(cfg, cfg.workers // cfg.group_size)
 
 
-@register("bmuf", check=_check_bmuf)
+@register("bmuf", check=_check_bmuf, fields=_BMUF)
 def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """BMUF (`shoal.optim.bmuf`) around `local_sgd`: ``block_size`` local steps per worker,
     then the BMUF step over all workers."""
@@ -260,7 +294,7 @@ def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("bmuf_gtc", two_tier=True, check=_check_bmuf_gtc)
+@register("bmuf_gtc", two_tier=True, check=_check_bmuf_gtc, fields=(*_BMUF, *_GTC, "group_size"))
 def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransformation:
     """Two-tier BMUF_GTC (`shoal.optim.bmuf_gtc`) around `local_sgd`: GTC
     (``gtc_threshold``, ``gtc_capacity``) every step inside groups of ``group_size``,
@@ -321,7 +355,7 @@ def _lamb(cfg: Config, collective: Any, freeze: int) -> optax.GradientTransforma
     )
 
 
-@register("lamb")
+@register("lamb", fields=_LAMB)
 def lamb(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """LAMB on the all-reduced gradients, the uncompressed baseline of ``onebit_lamb``:
     `shoal.optim.onebit_lamb` whose warm-up stage (a dense all-reduce, then LAMB without
@@ -337,14 +371,18 @@ def _check_onebit(cfg: Config) -> None:
         )
 
 
-@register("onebit_lamb", check=_check_onebit)
+@register(
+    "onebit_lamb",
+    check=_check_onebit,
+    fields=(*_LAMB, "onebit_freeze_fraction", "onebit_freeze_step"),
+)
 def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """1-bit LAMB (`shoal.optim.onebit_lamb`): `lamb` for `freeze_step` steps, then the
     momentum through the 1-bit compressed all-reduce with the frozen variance."""
     return _lamb(cfg, collective, freeze_step(cfg))
 
 
-@register("pgx")
+@register("pgx", fields=("pgx_fraction",))
 def pgx(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's partial gradient exchange (`shoal.optim.partial_exchange`): one bin of
     ``pgx_fraction`` of the gradient bytes averaged per step, round robin, then
@@ -359,7 +397,7 @@ def _check_peers(cfg: Config) -> None:
         raise ConfigError("peer averaging needs at least 2 workers")
 
 
-@register("peer", check=_check_peers)
+@register("peer", check=_check_peers, fields=("peer_strategy", "peer_staleness"))
 def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's peer model averaging (`shoal.optim.peer_averaging`) around `local_sgd`:
     every step each worker averages its model with one peer's (``peer_strategy``,
@@ -374,14 +412,14 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("sma")
+@register("sma", fields=("sma_alpha",))
 def sma_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous model averaging (`shoal.optim.sma`) around `local_sgd`: every step
     ``v <- (1 - sma_alpha) v + sma_alpha mean(v)``, then the local update."""
     return sma(local_sgd(cfg), collective=collective, alpha=cfg.sma_alpha, nonfinite=None)
 
 
-@register("ssgd_noise")
+@register("ssgd_noise", fields=("noise_ema",))
 def ssgd_noise(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """S-SGD that also estimates the gradient noise scale
     (`shoal.optim.gradient_noise_scale`, logged as ``noise_scale``), then `local_sgd`."""
@@ -396,7 +434,7 @@ def ssgd_noise(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("adaptive", policy="noise_scale")
+@register("adaptive", policy="noise_scale", fields=_ADAPTIVE)
 def adaptive(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu with closed-loop adaptation: ``ssgd_noise`` while ``adaptive_sync`` is
     "full", partial exchange of ``adaptive_fraction`` once the ``noise_scale`` policy

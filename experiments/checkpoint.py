@@ -10,7 +10,10 @@ randomness by the step, so the step and the config's seed are the whole RNG stat
 
 Layout: ``<out>/checkpoints/<algorithm>/step_<N>.<rank>.msgpack`` (flax msgpack of a state
 dict) with a JSON sidecar ``step_<N>.<rank>.json`` holding the payload's sha256, its size
-and the metadata (algorithm entry, step, workers, backend, config). One pair per process
+and the metadata (algorithm entry, step, workers, backend, config). The config recorded,
+and compared on resume, is the fields the algorithm can depend on: not the fields other
+algorithms declare as their own (`shoal.experiments.algorithms.unused_fields`), so a
+changed ``gtc_threshold`` does not stop ``ssgd`` from resuming. One pair per process
 (every MPI rank its own; in simulation one process holds all stacked workers). Both files
 are written under a temporary name in the same folder, fsynced and renamed, payload first:
 the sidecar commits the checkpoint, so a crash while saving leaves at worst an
@@ -31,6 +34,7 @@ import jax
 import numpy as np
 from flax import serialization
 
+from shoal.experiments.algorithms import unused_fields
 from shoal.experiments.config import Config, flatten
 
 FORMAT = 1
@@ -45,9 +49,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: corrupt, or from an incompatible run."""
 
 
-def config_fields(cfg: Config) -> dict[str, str]:
-    """The fields that must match for a checkpoint to resume, in their ``--set`` spelling."""
-    return {k: v for k, v in flatten(cfg) if k.split(".")[0] not in IGNORED_FIELDS}
+def config_fields(cfg: Config, algorithm: str | None = None) -> dict[str, str]:
+    """The fields that must match for a checkpoint of ``algorithm`` (an entry of
+    ``cfg.algorithms``; None: any algorithm) to resume, in their ``--set`` spelling."""
+    skip = IGNORED_FIELDS | (unused_fields(algorithm) if algorithm is not None else set())
+    return {k: v for k, v in flatten(cfg) if k.split(".")[0] not in skip}
 
 
 def fingerprint(fields: dict[str, str]) -> str:
@@ -125,7 +131,7 @@ class Checkpointer:
         self.rank = int(getattr(backend, "rank", 0))
         self.comm = getattr(backend, "comm", None)
         self.every = cfg.checkpoint_every
-        fields = config_fields(cfg)
+        fields = config_fields(cfg, algorithm)
         self.meta = {
             "format": FORMAT,
             "algorithm": algorithm,
@@ -225,8 +231,9 @@ class Checkpointer:
                 f"its checkpoint {name} is from {saved.get('backend')!r}"
             )
         old, new = saved.get("config", {}), self.meta["config"]
-        # Checkpoints written before a field joined IGNORED_FIELDS still list it.
-        old = {k: v for k, v in old.items() if k.split(".")[0] not in IGNORED_FIELDS}
+        # Older checkpoints list every field: compare the ones this run's would list.
+        skip = IGNORED_FIELDS | unused_fields(self.meta["algorithm"])
+        old = {k: v for k, v in old.items() if k.split(".")[0] not in skip}
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 raise CheckpointError(

@@ -8,6 +8,10 @@ Usage::
     mpiexec -n 4 shoal-run quickstart --backend jax
     mpiexec -n 2 shoal-run quickstart --backend jax --devices-per-worker 4  # 8 devices: 2 workers
     shoal-run experiments/configs/acoustic_study.py   # a Study: tables over worker counts
+    shoal-run quickstart --overwrite   # replace the results already in runs/quickstart/
+
+An output folder that is not empty is never written over silently: ``--resume`` continues
+the run in it, ``--overwrite`` replaces its results, otherwise the runner stops (exit 2).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import jax
 
 from shoal.experiments import algorithms
+from shoal.experiments import config as config_module
 from shoal.experiments.analysis import Analysis, run_analysis
 from shoal.experiments.backends import make_backend
 from shoal.experiments.checkpoint import Checkpointer, CheckpointError
@@ -34,14 +39,27 @@ from shoal.experiments.tasks import make_task
 from shoal.experiments.train import check_grad_chunk, train
 from shoal.optim.nonfinite import NonFiniteGradientError
 
+CONFIGS = Path(config_module.__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """The names of the bundled configs (``experiments/configs/*.py``), usable as the
+    CONFIG argument in place of their path."""
+    return sorted(p.stem for p in CONFIGS.glob("*.py") if not p.name.startswith("_"))
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shoal-run",
         description="Train every algorithm of a config and write runs/<name>/ "
         "(metrics.jsonl, metrics.csv, loss plots, summary.md).",
+        epilog=f"bundled configs: {', '.join(bundled_configs())}",
     )
-    p.add_argument("config", help="config file (experiments/configs/*.py) or a bundled name")
+    p.add_argument(
+        "config",
+        help="a config file (a .py path) or the name of a bundled config: "
+        + ", ".join(bundled_configs()),
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -89,7 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a parameter server that hears nothing from the workers this long aborts the job",
     )
-    p.add_argument("--out", type=Path, help="output folder (default: runs/<config name>)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: runs/<config name>); one that is not empty needs "
+        "--resume or --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an output folder that already holds results, replacing them",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -128,6 +156,37 @@ def resolve_workers(
             f"launch with `mpiexec -n {requested}` or drop --workers"
         )
     return world
+
+
+def _load(spec: str):
+    """`load_file`, whose "not found" error also lists the bundled configs."""
+    names = bundled_configs()
+    if not Path(spec).is_file() and spec not in names:
+        raise ConfigError(
+            f"config file not found: {spec} (give a path, or a bundled config: {', '.join(names)})"
+        )
+    return load_file(spec)
+
+
+def output_problem(out: Path, resume: bool, overwrite: bool, can_resume: bool = True) -> str | None:
+    """Why the run must not write into ``out`` (None: it may): a folder that is not empty
+    holds an earlier run's results, which only ``--resume`` (continue them) or
+    ``--overwrite`` (replace them) may touch."""
+    if out.exists() and not out.is_dir():
+        return f"output folder {out} is a file, not a folder: choose another --out"
+    if overwrite or (resume and can_resume) or not out.is_dir() or not any(out.iterdir()):
+        return None
+    how = "--resume to continue that run, " if can_resume else ""
+    return (
+        f"output folder {out} is not empty (it may hold an earlier run's results): pass "
+        f"--overwrite to replace them, {how}or --out to write elsewhere"
+    )
+
+
+def _everyone(backend, flag: bool) -> list[bool]:
+    """``flag`` of every process of the job (one process: ``[flag]``)."""
+    comm = getattr(backend, "comm", None)
+    return [flag] if comm is None else comm.allgather(flag)
 
 
 def _setup(args, backend, loaded):
@@ -195,6 +254,10 @@ def _main_study(args, study: Study, command: str) -> int:
     print(f"{cfg.name}: study of {len(runs)} runs, workers "
           f"{', '.join(map(str, sorted({r.workers for r in runs})))} (sim)")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
+    problem = output_problem(out, False, args.overwrite, can_resume=False)
+    if problem:
+        print(f"shoal-run: error: {problem}", file=sys.stderr)
+        return 2
     run_study(study, out, command=command, progress=not args.no_progress)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/ (summary.md, results.jsonl, metrics.jsonl)")
@@ -222,6 +285,10 @@ def _serve(backend, timeout: float) -> int:
 
 def _main_analysis(args, analysis: Analysis) -> int:
     out = args.out or Path("runs") / analysis.name
+    problem = output_problem(out, False, args.overwrite, can_resume=False)
+    if problem:
+        print(f"shoal-run: error: {problem}", file=sys.stderr)
+        return 2
     print(run_analysis(analysis, out))
     print(f"wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))})")
     return 0
@@ -247,6 +314,30 @@ def _malloc_default(argv: list[str]) -> str:
     return "keep" if backend in ("mpi", "jax") else "system"
 
 
+def _mpi_world_size() -> int:
+    from mpi4py import MPI  # initialises MPI, as the MPI backend would
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def _alone(backend: str, found: str, command: str) -> str:
+    """The error for ``--backend mpi|jax`` started without a launcher: one worker, no
+    communication, nothing measured."""
+    words, sim = shlex.split(command), []
+    while words:  # the same command without --backend and --servers (sim has neither)
+        w = words.pop(0)
+        if w in ("--backend", "--servers"):
+            words[:1] = []
+        elif not w.startswith(("--backend=", "--servers=")):
+            sim.append(w)
+    sim = shlex.join(sim)
+    return (
+        f"--backend {backend} found {found}: that is one worker that communicates nothing. "
+        f"Start one process per worker, e.g. `mpiexec -n 4 {command}`, or simulate the "
+        f"workers in this process: `{sim} --workers 4`"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a command, not a call from Python: restart with the heap kept?
         reexec_with_tunables(default=_malloc_default(sys.argv[1:]))
@@ -258,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         print("shoal-run: error: --stop-after must be >= 1", file=sys.stderr)
         return 2
+    if args.resume and args.overwrite:
+        print("shoal-run: error: --resume continues the run in the output folder, "
+              "--overwrite replaces it: pass one of them", file=sys.stderr)  # fmt: skip
+        return 2
     k = args.devices_per_worker
     if k < 1 or (k > 1 and args.backend != "jax"):
         why = "must be >= 1" if k < 1 else f"needs --backend jax, not --backend {args.backend}"
@@ -266,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     # MPI (or jax.distributed) must exist before the config is resolved: its world size is
     # the worker count.
     backend = None
+    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
+    if args.backend == "mpi" and _mpi_world_size() == 1:
+        print(f"shoal-run: error: {_alone('mpi', 'a single MPI process', command)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.backend != "sim":
         try:
             backend = make_backend(args.backend, servers=args.servers,
@@ -274,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.backend == "jax" and jax.process_index() == 0:
                 print(f"shoal-run: error: {e}", file=sys.stderr)
             return 2
+    if args.backend == "jax" and jax.process_count() == 1 and len(backend.devices) == 1:
+        print(f"shoal-run: error: {_alone('jax', 'one process with one device', command)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if backend is not None and backend.is_server:
         return _serve(backend, args.server_timeout)
     try:
@@ -287,7 +391,10 @@ def _main(args, argv, backend) -> int:
     is_root = backend is None or backend.is_root
     command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
     try:
-        loaded = load_file(args.config)
+        loaded = _load(args.config)
+        if args.resume and not isinstance(loaded, Config):
+            what = "a study" if isinstance(loaded, Study) else "an analysis"
+            raise ConfigError(f"--resume continues a config's runs; {what} has none to resume")
         if isinstance(loaded, Study):
             study = _setup_study(args, loaded)
         elif isinstance(loaded, Analysis):
@@ -318,6 +425,25 @@ def _main(args, argv, backend) -> int:
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}{each}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
+    # Only the root writes the outputs: its view of the folder decides for every process.
+    problem = output_problem(out, args.resume, args.overwrite) if is_root else None
+    problem = backend.share(problem)
+    if problem is None and args.resume:
+        found = any(Checkpointer(out / "checkpoints", n, cfg, backend).steps()
+                    for n in cfg.algorithms)  # fmt: skip
+        if not any(_everyone(backend, found)):
+            problem = (
+                f"--resume found no checkpoint of {', '.join(cfg.algorithms)} in "
+                f"{out / 'checkpoints'}: nothing to continue (a run saves checkpoints with "
+                f"--stop-after or --set checkpoint_every=N); drop --resume to start afresh"
+            )
+    if problem is not None:
+        if is_root:
+            print(f"shoal-run: error: {problem}", file=sys.stderr)
+        return 2
+    if args.overwrite:  # the replaced run's checkpoints must not be resumed later
+        for name in cfg.algorithms:
+            Checkpointer(out / "checkpoints", name, cfg, backend).remove()
     # Checkpoints only when asked for: periodically, or to stop and resume.
     checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
     try:

@@ -75,9 +75,10 @@ def whole(tmp_path_factory) -> Path:
 
 def test_resume_is_exact_for_every_algorithm(whole, tmp_path, capsys):
     out = tmp_path / "split"
-    # Each invocation runs 4 steps: every algorithm stops at step 4 and resumes there.
+    # Each invocation runs 4 steps: every algorithm stops at step 4 and resumes there. The
+    # first starts afresh (--resume finds no checkpoint yet: an error).
     for i in range(2 * len(ALGORITHMS)):
-        assert run(out, "--resume", "--stop-after", str(HALF)) == 0
+        assert run(out, *(["--resume"] if i else []), "--stop-after", str(HALF)) == 0
         said = capsys.readouterr().out
         algo = ALGORITHMS[i // 2]
         if i % 2 == 0:
@@ -220,3 +221,49 @@ def test_mpi_resume_per_rank(tmp_path):
         for rank in range(4):
             name = f"checkpoints/{algo}/step_{STEPS}.{rank}.msgpack"
             assert_same_state(load(split / name), load(tmp_path / "whole" / name))
+
+
+def test_other_algorithms_fields_do_not_block_resume(tmp_path, capsys):
+    """Only the fields an algorithm depends on must match: gtc_threshold is gtc's own, so
+    ssgd resumes under another one, and gtc does not."""
+    argv = ["--stop-after", "6", "--set", "checkpoint_every=2", "gtc_threshold=0.1"]
+    assert run(tmp_path, *argv, algorithms=("ssgd", "gtc")) == 0  # ssgd stopped at 6
+    capsys.readouterr()
+    other = ["--resume", "--stop-after", "4", "--set", "gtc_threshold=0.2"]
+    assert run(tmp_path, *other, algorithms=("ssgd", "gtc")) == 0
+    assert f"stopped gtc at step 2 of {STEPS}" in capsys.readouterr().out
+    side = json.loads((tmp_path / "checkpoints" / "ssgd" / f"step_{STEPS}.0.json").read_text())
+    assert "gtc_threshold" not in side["config"] and "learning_rate" in side["config"]
+    side = json.loads((tmp_path / "checkpoints" / "gtc" / "step_2.0.json").read_text())
+    assert side["config"]["gtc_threshold"] == "0.2"
+    # gtc stopped at step 2 under gtc_threshold=0.2: 0.1 now is refused, naming the field.
+    assert run(tmp_path, "--resume", "--set", "gtc_threshold=0.1",
+               algorithms=("ssgd", "gtc")) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shoal-run: error: cannot resume gtc: config field 'gtc_threshold'")
+    assert "is 0.1 now but 0.2" in err and "\n" not in err
+
+
+def test_old_checkpoint_listing_every_field_resumes(tmp_path, capsys):
+    """A checkpoint written when every field was recorded still resumes ssgd after a
+    change to another algorithm's field."""
+    folder = _stopped_at_6(tmp_path)
+    side = json.loads((folder / "step_6.0.json").read_text())
+    side["config"]["gtc_capacity"] = "0.5"
+    (folder / "step_6.0.json").write_text(json.dumps(side))
+    capsys.readouterr()
+    assert run(tmp_path, "--resume", algorithms=("ssgd",)) == 0
+    assert records(tmp_path / "metrics.jsonl")[-1]["step"] == STEPS
+
+
+def test_overwrite_drops_the_replaced_runs_checkpoints(tmp_path, capsys):
+    """--overwrite replaces a run, checkpoints included: a later --resume cannot pick up
+    the replaced run's state."""
+    folder = _stopped_at_6(tmp_path)
+    assert run(tmp_path, algorithms=("ssgd",)) == 2  # not empty: refused, nothing touched
+    assert len(list(folder.iterdir())) == 4
+    capsys.readouterr()
+    assert run(tmp_path, "--overwrite", algorithms=("ssgd",)) == 0
+    assert list(folder.iterdir()) == []
+    assert run(tmp_path, "--resume", algorithms=("ssgd",)) == 2
+    assert f"no checkpoint of ssgd in {tmp_path / 'checkpoints'}" in capsys.readouterr().err

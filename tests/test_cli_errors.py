@@ -121,3 +121,115 @@ def test_console_script_prints_no_traceback(name, tmp_path):
     )
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, words)
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------ never lose work
+
+TINY = ["--workers", "2", "--no-progress", "--set", "steps=2", "eval_every=2",
+        "algorithms=ssgd", "project_workers=0"]  # fmt: skip
+
+
+def test_non_empty_output_folder_is_refused(capsys, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.md").write_text("an earlier run's report")
+    code, stdout, err = run_main([QUICKSTART, *TINY, "--out", str(out)], capsys)
+    assert_one_line_error(code, stdout, err, [str(out), "not empty", "--overwrite", "--resume"])
+    assert (out / "report.md").read_text() == "an earlier run's report"
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"]
+
+
+def test_overwrite_replaces_an_earlier_run(capsys, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.md").write_text("an earlier run's report")
+    code, _, err = run_main([QUICKSTART, *TINY, "--out", str(out), "--overwrite"], capsys)
+    assert code == 0, err
+    assert "an earlier run" not in (out / "report.md").read_text()
+    # The same command again: the folder now holds results, so it needs --overwrite again.
+    code, stdout, err = run_main([QUICKSTART, *TINY, "--out", str(out)], capsys)
+    assert_one_line_error(code, stdout, err, [str(out), "not empty"])
+
+
+def test_empty_output_folder_is_fine(capsys, tmp_path):
+    code, _, err = run_main([QUICKSTART, *TINY, "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_output_path_that_is_a_file(capsys, tmp_path):
+    out = tmp_path / "file"
+    out.write_text("x")
+    code, stdout, err = run_main([QUICKSTART, *TINY, "--out", str(out), "--overwrite"], capsys)
+    assert_one_line_error(code, stdout, err, [str(out), "is a file"])
+
+
+def test_resume_and_overwrite_together(capsys, tmp_path):
+    argv = [QUICKSTART, *TINY, "--out", str(tmp_path), "--resume", "--overwrite"]
+    code, stdout, err = run_main(argv, capsys)
+    assert_one_line_error(code, stdout, err, ["--resume", "--overwrite"])
+
+
+def test_study_output_folder_is_refused(capsys, tmp_path):
+    (tmp_path / "summary.md").write_text("an earlier study")
+    code, stdout, err = run_main(["acoustic_study", "--out", str(tmp_path)], capsys)
+    assert_one_line_error(code, stdout, err, [str(tmp_path), "not empty", "--overwrite"])
+    assert "--resume" not in err  # a study cannot resume
+    assert (tmp_path / "summary.md").read_text() == "an earlier study"
+
+
+def test_resume_without_checkpoint_names_the_folder(capsys, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, err = run_main([QUICKSTART, *TINY, "--out", str(out), "--resume"], capsys)
+    assert_one_line_error(code, stdout, err, [str(out / "checkpoints"), "no checkpoint"])
+    # A finished run that saved no checkpoints has nothing to resume either.
+    assert run_main([QUICKSTART, *TINY, "--out", str(out)], capsys)[0] == 0
+    code, stdout, err = run_main([QUICKSTART, *TINY, "--out", str(out), "--resume"], capsys)
+    assert_one_line_error(code, stdout, err, [str(out / "checkpoints"), "--resume"])
+
+
+def test_missing_bundled_name_lists_the_bundled_configs(capsys):
+    code, out, err = run_main(["quickstrat"], capsys)
+    assert_one_line_error(code, out, err, ["quickstrat", "not found", "quickstart", "kungfu"])
+
+
+def test_help_lists_the_bundled_configs(capsys):
+    code, out, _ = run_main(["--help"], capsys)
+    assert code == 0
+    for name in ("quickstart", "acoustic_study", "gtc_sweep", "kungfu"):
+        assert name in out, name
+    assert "__init__" not in out and "--overwrite" in out
+
+
+def _alone(args, tmp_path, devices=1):
+    """The console script with a multi-process backend but no launcher."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run(
+        [sys.executable, "-m", "shoal.experiments.cli", "quickstart", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+
+
+@pytest.mark.skipif(harness.UNDER_MPI, reason="needs a process outside mpiexec")
+def test_mpi_backend_without_mpiexec(tmp_path):
+    pytest.importorskip("mpi4py")
+    # bmuf_gtc used to fail here on its group size, ssgd to train one worker silently.
+    proc = _alone(["--backend", "mpi", "--set", "algorithms=bmuf_gtc"], tmp_path)
+    sim = "shoal-run quickstart --set algorithms=bmuf_gtc --no-progress --workers 4"
+    words = ["--backend mpi", "single MPI process", "mpiexec -n 4 shoal-run quickstart", sim]
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, words)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(harness.UNDER_MPI, reason="needs a process outside mpiexec")
+def test_jax_backend_on_one_device(tmp_path):
+    pytest.importorskip("mpi4py")
+    proc = _alone(["--backend", "jax"], tmp_path)
+    words = ["--backend jax", "one process with one device", "mpiexec -n 4", "--workers 4"]
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, words)
+    assert not (tmp_path / "runs").exists()

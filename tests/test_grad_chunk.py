@@ -140,6 +140,7 @@ def test_cli_refuses_grad_chunk_with_mpi(monkeypatch, capsys, tmp_path):
         is_root, is_server, servers = True, False, None
 
     monkeypatch.setattr("shoal.experiments.cli.make_backend", lambda *a, **k: Ranks("mpi", 4))
+    monkeypatch.setattr("shoal.experiments.cli._mpi_world_size", lambda: 4)
     argv = [str(QUICKSTART), "--backend", "mpi", "--set", "grad_chunk=2"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
