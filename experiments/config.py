@@ -161,6 +161,11 @@ class Config:
     nonfinite: Literal["skip", "raise", "off"] = "skip"
     inject_nonfinite: str = ""
 
+    # Extra logs next to the run's metrics: "tensorboard" also writes TensorBoard event
+    # files, one run per algorithm, under tensorboard/ in the output folder (needs the
+    # optional extra: pip install 'shoal[tensorboard]').
+    log: Literal["none", "tensorboard"] = "none"
+
     def __post_init__(self):
         # Config files may write lists; keep the value hashable and as annotated.
         for f in ("algorithms", "hidden"):
@@ -183,6 +188,13 @@ class Config:
         _check(self.policy_every >= 1, "policy_every", "an int >= 1")
         _check(self.policy_after >= 0, "policy_after", "an int >= 0")
         _check(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
+        _check(self.log in ("none", "tensorboard"), "log", '"none" or "tensorboard"')
+        if self.log == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
+            # Checked here, not when the run's outputs are written: before training.
+            raise ConfigError(
+                "config field 'log' = 'tensorboard' needs the tensorboardX package: "
+                "pip install 'shoal[tensorboard]' (or pip install tensorboardX)"
+            )
         _check(
             self.inject_nonfinite == "" or self.injection() is not None,
             "inject_nonfinite",

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from shoal.experiments import algorithms
@@ -83,44 +86,172 @@ def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
         w.writerows(records)
 
 
-def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str) -> None:
-    """Train loss (line) and test loss (markers) against ``x``, one colour per algorithm."""
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    ax = fig.subplots()
-    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in records)):
+# Coincident curves (e.g. ssgd and bfb, which reduce the same gradient) would hide one
+# another: the later ones are drawn on top with these (linestyle, marker) pairs and say
+# which curve they follow in the legend.
+TWIN_STYLES = (("--", "x"), (":", "+"), ("-.", "s"), ((0, (1, 3)), "^"))
+LEGEND = dict(loc="outside right upper", fontsize="small", title="algorithm")
+
+
+def algorithm_colors(names: Sequence[str]) -> dict[str, str]:
+    """One colour per algorithm: tab10's for the first ten, then tab20's light shades
+    (cycling past 20)."""
+    tab20 = colormaps["tab20"]
+    palette = [tab20(2 * i) for i in range(10)] + [tab20(2 * i + 1) for i in range(10)]
+    return {name: to_hex(palette[i % 20]) for i, name in enumerate(names)}
+
+
+Curve = tuple[list[float], list[float]]
+
+
+def _same(a: Curve, b: Curve) -> bool:
+    # Tolerances well below what a plot can show apart.
+    return (
+        len(a[0]) == len(b[0]) > 0
+        and np.allclose(a[0], b[0], rtol=1e-3)
+        and np.allclose(a[1], b[1], rtol=1e-3, atol=1e-4)
+    )
+
+
+def twins(*panels: dict[str, Curve]) -> dict[str, str]:
+    """For each algorithm whose curves coincide in every panel with those of an earlier
+    one, the name of that first algorithm."""
+    names = list(panels[0])
+    found: dict[str, str] = {}
+    for i, name in enumerate(names):
+        for first in names[:i]:
+            if first not in found and all(_same(p[first], p[name]) for p in panels):
+                found[name] = first
+                break
+    return found
+
+
+def _styles(names: Sequence[str], found: dict[str, str]) -> dict[str, tuple[Any, Any]]:
+    """(linestyle, marker) per algorithm, None for a marker meaning the default."""
+    styles, seen = {}, {}
+    for name in names:
+        if name in found:
+            k = seen[found[name]] = seen.get(found[name], 0) + 1
+            styles[name] = TWIN_STYLES[(k - 1) % len(TWIN_STYLES)]
+        else:
+            styles[name] = ("-", None)
+    return styles
+
+
+def _label(name: str, found: dict[str, str]) -> str:
+    return f"{name} (same curve as {found[name]})" if name in found else name
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    sums = np.cumsum(np.concatenate([[0.0], np.asarray(values, float)]))
+    lo = np.maximum(np.arange(1, len(values) + 1) - window, 0)
+    return list((sums[1:] - sums[lo]) / (np.arange(1, len(values) + 1) - lo))
+
+
+# Decades of bytes shown on a log axis, below the largest count: per-step control bytes
+# (e.g. BMUF's non-finite flag between its syncs) would otherwise stretch it to 1e-5 MB.
+BYTE_DECADES = 3
+
+
+def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str) -> Figure:
+    """Two panels against ``x``: train loss (a moving average over about a twentieth of
+    the run, every step faint behind it) and test loss at every evaluation, one colour per
+    algorithm, the legend outside the axes. Bytes (``x`` other than ``step``) are on a log
+    axis spanning `BYTE_DECADES` decades: steps at 0 bytes cannot be shown there and are
+    left out, the axis label says so."""
+    names = list(dict.fromkeys(r["algorithm"] for r in records))
+    colors = algorithm_colors(names)
+    log_x = x != "step"
+    train: dict[str, Curve] = {}
+    raw: dict[str, Curve] = {}
+    test: dict[str, Curve] = {}
+    zero = False
+    longest = max(sum(r["algorithm"] == n for r in records) for n in names)
+    window = max(1, round(longest / 20))
+    for name in names:
         rows = [r for r in records if r["algorithm"] == name]
-        color = f"C{i}"
-        ax.plot([r[x] for r in rows], [r["loss"] for r in rows], color=color, lw=1,
-                alpha=0.8, label=f"{name} train")  # fmt: skip
-        ev = [r for r in rows if "test_loss" in r]
-        ax.plot([r[x] for r in ev], [r["test_loss"] for r in ev], "o--", color=color, ms=4,
-                label=f"{name} test")  # fmt: skip
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("cross-entropy loss")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+        smooth = moving_average([r["loss"] for r in rows], window)
+        keep = [i for i, r in enumerate(rows) if not log_x or r[x] > 0]
+        zero |= len(keep) < len(rows)
+        raw[name] = ([rows[i][x] for i in keep], [rows[i]["loss"] for i in keep])
+        train[name] = (raw[name][0], [smooth[i] for i in keep])
+        ev = [rows[i] for i in keep if "test_loss" in rows[i]]
+        test[name] = ([r[x] for r in ev], [r["test_loss"] for r in ev])
+    found = twins(train, test)
+    styles = _styles(names, found)
+    fig = Figure(figsize=(10.5, 4.4), layout="constrained")
+    ax_train, ax_test = fig.subplots(1, 2, sharey=True, sharex=log_x)
+    for name in names:
+        ls, marker = styles[name]
+        z = 3 if name in found else 2
+        label = _label(name, found)
+        if log_x and not train[name][0]:
+            label += " (no bytes sent: not shown)"
+        ax_train.plot(*raw[name], color=colors[name], lw=0.6, alpha=0.15, zorder=1,
+                      label=f"{name} train loss, every step")  # fmt: skip
+        ax_train.plot(*train[name], color=colors[name], ls=ls, lw=1.4, zorder=z,
+                      marker=marker, markevery=max(1, len(train[name][0]) // 12), ms=5,
+                      label=label)  # fmt: skip
+        ax_test.plot(*test[name], color=colors[name], ls=ls, lw=1.2, zorder=z,
+                     marker=marker or "o", ms=5 if marker else 3.5,
+                     label=f"{name} test loss")  # fmt: skip
+    unit = "steps" if window > 1 else "step"
+    ax_train.set_title(f"train loss (mean of the last {window} {unit})", fontsize="medium")
+    ax_test.set_title("test loss (averaged model, every evaluation)", fontsize="medium")
+    note = ""
+    if log_x:
+        top = max((max(c[0]) for c in raw.values() if c[0]), default=1.0)
+        low = min((min(c[0]) for c in raw.values() if c[0]), default=top)
+        left = 10 ** math.ceil(math.log10(top) - BYTE_DECADES)
+        if low < left:
+            ax_test.set_xlim(left=left)
+            note = f"\n(log scale from {left:g} MB"
+            note += "; 0 bytes not shown)" if zero else ")"
+        elif zero:
+            note = "\n(log scale: steps at 0 bytes not shown)"
+    for ax in (ax_train, ax_test):
+        ax.set_xlabel(xlabel + note)
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_train.set_ylabel("cross-entropy loss")
+    handles = [h for h in ax_train.get_lines() if h.get_zorder() > 1]
+    fig.legend(handles=handles, **LEGEND)
     fig.savefig(path, dpi=120)
+    return fig
 
 
-def plot_accuracy(path: Path, records: Sequence[dict[str, Any]]) -> None:
-    """Test accuracy at the evaluated steps, one line per algorithm; a policy's changes
-    are marked on its line."""
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+def plot_accuracy(path: Path, records: Sequence[dict[str, Any]]) -> Figure:
+    """Test accuracy at the evaluated steps, one line per algorithm; a closed-loop
+    policy's changes are dotted vertical lines in its colour, labelled in the legend."""
+    names = list(dict.fromkeys(r["algorithm"] for r in records))
+    colors = algorithm_colors(names)
+    curves = {}
+    for name in names:
+        ev = [r for r in records if r["algorithm"] == name and "test_accuracy" in r]
+        curves[name] = ([r["step"] for r in ev], [r["test_accuracy"] for r in ev])
+    found = twins(curves)
+    styles = _styles(names, found)
+    fig = Figure(figsize=(8.4, 4.2), layout="constrained")
     ax = fig.subplots()
-    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in records)):
-        rows = [r for r in records if r["algorithm"] == name]
-        ev = [r for r in rows if "test_accuracy" in r]
-        ax.plot([r["step"] for r in ev], [r["test_accuracy"] for r in ev], marker="o", ms=3,
-                color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name)  # fmt: skip
-        for r in rows:
-            if "policy" in r:
-                ax.axvline(r["step"], color=f"C{i % 10}", ls=":", lw=1)
+    for name in names:
+        ls, marker = styles[name]
+        ax.plot(*curves[name], color=colors[name], ls=ls, marker=marker or "o",
+                ms=5 if marker else 3.5, lw=1.2, zorder=3 if name in found else 2,
+                label=_label(name, found))  # fmt: skip
+    for r in records:
+        if "policy" in r:
+            ax.axvline(r["step"], color=colors[r["algorithm"]], ls=":", lw=1.8,
+                       label=f"{r['algorithm']} switches after step {r['step']}: "
+                       f"{r['policy']}")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("test accuracy")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    fig.legend(handles=ax.get_lines(), **LEGEND)
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def policy_section(records: Sequence[dict[str, Any]]) -> str:
@@ -130,6 +261,18 @@ def policy_section(records: Sequence[dict[str, Any]]) -> str:
         return ""
     lines = [f"- `{r['algorithm']}` after step {r['step']}: `{r['policy']}`" for r in changes]
     return "\n## Policy changes\n\n" + "\n".join(lines) + "\n"
+
+
+def ratio_phrase(ratio: float, better: str, worse: str, same: str) -> str:
+    """``ratio`` (baseline / this run, > 1 is better) in words: ``"3.1x fewer bytes"``,
+    ``"1.01x slower projected step"``, or ``same`` when it rounds to 1.00x either way."""
+    if math.isinf(ratio):
+        return f"infinitely {better}"
+    up = ratio if ratio >= 1 else 1 / ratio
+    if f"{up:.2f}" == "1.00":
+        return same
+    text = f"{up:.2f}x" if up < 1.995 else f"{up:.1f}x"
+    return f"{text} {better if ratio >= 1 else worse}"
 
 
 def guide(summaries: Sequence[dict[str, Any]]) -> str:
@@ -145,9 +288,18 @@ def guide(summaries: Sequence[dict[str, Any]]) -> str:
             continue
         acc = 100 * (s["test_accuracy"] - base["test_accuracy"])
         less = base["mb_sent"] / s["mb_sent"] if s["mb_sent"] else float("inf")
-        line = f"`{s['algorithm']}`: {acc:+.1f} points of accuracy, {less:.1f}x fewer bytes"
+        if s["mb_sent"]:
+            sent = ratio_phrase(less, "fewer bytes", "more bytes", "same bytes")
+        else:
+            sent = "no bytes sent"
+        line = f"`{s['algorithm']}`: {acc:+.1f} points of accuracy, {sent}"
         if s.get("projected_ms") and base.get("projected_ms"):
-            line += f", {base['projected_ms'] / s['projected_ms']:.1f}x faster projected step"
+            line += ", " + ratio_phrase(
+                base["projected_ms"] / s["projected_ms"],
+                "faster projected step",
+                "slower projected step",
+                "same projected step time",
+            )
         rows.append((acc < -1.0, -less, line))
     rows.sort()
     close = [r for r in rows if not r[0]]
@@ -169,6 +321,7 @@ def write_report(path: Path, cfg: Any, summaries: Sequence[dict[str, Any]], *, c
 {summary_table(summaries)}
 
 {guide(summaries)}
+![loss vs step]({PLOTS[0]})
 ![test accuracy vs step]({PLOTS[2]})
 ![loss vs MB sent]({PLOTS[1]})
 {extra}
@@ -340,6 +493,43 @@ Per-step metrics: `metrics.jsonl`, `metrics.csv`.
     path.write_text(text)
 
 
+TENSORBOARD = "tensorboard"
+# metrics.jsonl key -> TensorBoard tag (grouped by the part before "/").
+TENSORBOARD_TAGS = {
+    "loss": "loss/train",
+    "test_loss": "loss/test",
+    "test_accuracy": "accuracy/test",
+    "mb_sent": "wire/mb_sent",
+    "mb_received": "wire/mb_received",
+    "density": "wire/density",
+    "noise_scale": "noise_scale",
+    "skipped": "skipped",
+}
+
+
+def write_tensorboard(folder: Path, records: Sequence[dict[str, Any]]) -> None:
+    """TensorBoard event files from the run's records: one run (subfolder) per algorithm,
+    so TensorBoard overlays the algorithms; the scalars of `TENSORBOARD_TAGS` at each
+    record's step and the policy changes as text. Needs ``tensorboardX`` (the
+    ``tensorboard`` extra)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "log=tensorboard needs the tensorboardX package: pip install 'shoal[tensorboard]'"
+        ) from None
+    for name in dict.fromkeys(r["algorithm"] for r in records):
+        with SummaryWriter(str(folder / name)) as w:
+            for r in records:
+                if r["algorithm"] != name:
+                    continue
+                for key, tag in TENSORBOARD_TAGS.items():
+                    if r.get(key) is not None:
+                        w.add_scalar(tag, r[key], r["step"])
+                if "policy" in r:
+                    w.add_text("policy", r["policy"], r["step"])
+
+
 def write_run(
     out: Path,
     cfg: Any,
@@ -378,4 +568,7 @@ def write_run(
                  extra=projection_section(cfg, summaries))  # fmt: skip
     paths.append(out / "timing.jsonl")
     write_jsonl(paths[-1], timing)
+    if getattr(cfg, "log", "none") == "tensorboard":
+        paths.append(out / TENSORBOARD)
+        write_tensorboard(paths[-1], records)
     return paths
