@@ -79,13 +79,32 @@ class AxisCollective:
         return self.axis_name not in jax.sharding.get_abstract_mesh().manual_axes
 
     def rank(self) -> jax.Array:
-        """This worker's index along ``axis_name``, an int32 scalar."""
+        """This worker's index along ``axis_name``.
+
+        Under vmap each simulated worker gets its own index (a batched value); under
+        shard_map each device along the mesh axis gets its position.
+
+        Returns:
+          an int32 scalar in ``[0, size)``.
+        """
         self._check_axis()
         return lax.axis_index(self.axis_name).astype(jnp.int32)
 
     def all_reduce(self, tree: Any, op: str = "mean") -> Any:
-        """Every leaf reduced over the workers (``op``: mean, sum, max or min); a leaf of
-        ``mean`` must be floating. Under vmap the result is unbatched (one copy)."""
+        """Every leaf reduced element-wise over the workers.
+
+        Under vmap the workers' rows are gathered (a free view) and summed with a dot, and
+        the result is unbatched (one copy for all workers); under shard_map it is
+        ``lax.pmean``/``psum``/``pmax``/``pmin`` over the mesh axis.
+
+        Args:
+          tree: a pytree of arrays, the same structure and shapes on every worker.
+          op: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; ``"mean"`` needs floating
+            leaves.
+
+        Returns:
+          a pytree like ``tree`` holding the reduction, identical on every worker.
+        """
         check_op(op)
         self._check_axis()
         simulated = self._simulated()
@@ -106,29 +125,72 @@ class AxisCollective:
         return jax.tree.map(one, tree)
 
     def uniform(self, x: Any) -> Any:
-        """``x``, a value the caller knows to be the same on every worker (a step counter,
-        an all-reduced flag), in the form control flow branches on cheaply: under vmap
-        worker 0's copy, unbatched, so ``lax.cond`` on it runs only the taken branch
-        (on a batched predicate vmap computes every branch and selects). Elsewhere ``x``
-        itself, at no cost."""
+        """``x``, known to be the same on every worker, in the form control flow branches
+        on cheaply.
+
+        Under vmap this is worker 0's copy, unbatched, so ``lax.cond`` on it runs only the
+        taken branch (on a batched predicate vmap computes every branch and selects).
+        Under shard_map it is ``x`` itself, at no cost. Nothing checks that ``x`` is
+        uniform.
+
+        Args:
+          x: a pytree that the caller knows to be equal on every worker (a step counter,
+            an all-reduced flag).
+
+        Returns:
+          a pytree like ``x`` (unbatched under vmap).
+        """
         self._check_axis()
         if not self._simulated():
             return x
         return jax.tree.map(lambda v: lax.all_gather(v, self.axis_name)[0], x)
 
     def all_gather(self, x: jax.Array) -> jax.Array:
-        """``[size, *x.shape]``: row ``j`` is worker ``j``'s ``x`` (unbatched under vmap)."""
+        """Every worker's ``x``, stacked.
+
+        Under vmap a free view of the batched array (unbatched: one copy for all
+        workers); under shard_map ``lax.all_gather`` over the mesh axis.
+
+        Args:
+          x: an array of the same shape and dtype on every worker.
+
+        Returns:
+          an array of shape ``[size, *x.shape]`` whose row ``j`` is worker ``j``'s ``x``.
+        """
         self._check_axis()
         return lax.all_gather(x, self.axis_name)
 
     def all_to_all(self, x: jax.Array) -> jax.Array:
-        """Worker ``r`` receives row ``r`` of every worker's ``x``, stacked by source."""
+        """Transpose rows across workers: worker ``r`` receives row ``r`` of every
+        worker's ``x``.
+
+        ``lax.all_to_all`` over the axis (split and concatenate on axis 0), under vmap and
+        shard_map alike.
+
+        Args:
+          x: an array with ``x.shape[0] == size``.
+
+        Returns:
+          an array of ``x``'s shape whose row ``j`` is row ``r`` of worker ``j``'s ``x``.
+        """
         check_all_to_all(x, self.size)
         self._check_axis()
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
-        """Every worker gets worker ``root``'s value of every leaf, bit for bit."""
+        """Every worker gets worker ``root``'s value of every leaf, bit for bit.
+
+        Under vmap worker ``root``'s row of a (free, unbatched) gather; under shard_map a
+        ``psum`` of root's bits and zeros in an unsigned type (exact for every dtype,
+        -0.0 and NaN payloads included).
+
+        Args:
+          tree: a pytree of arrays, the same structure and shapes on every worker.
+          root: the int rank in ``[0, size)`` whose values are sent.
+
+        Returns:
+          a pytree like ``tree`` holding ``root``'s values on every worker.
+        """
         check_root(root, self.size)
         self._check_axis()
         if self._simulated():  # worker root's row of the (free, unbatched) gather
@@ -153,8 +215,21 @@ class AxisCollective:
         return jax.tree.map(one, tree)
 
     def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
-        """Worker ``d`` receives worker ``s``'s ``x`` for each ``(s, d)`` in ``perm``; a
-        worker that is nobody's destination receives zeros."""
+        """Point-to-point exchange: worker ``d`` receives worker ``s``'s ``x`` for each
+        ``(s, d)`` in ``perm``.
+
+        ``lax.ppermute`` over the axis under vmap and shard_map alike (vmap needs a full
+        permutation, so idle workers are routed among themselves and then zeroed).
+
+        Args:
+          x: an array of the same shape and dtype on every worker.
+          perm: ``(source, dest)`` int pairs in ``[0, size)``, no source or destination
+            repeated.
+
+        Returns:
+          an array like ``x``: the sender's ``x``, or zeros on a worker that is nobody's
+          destination.
+        """
         pairs = check_perm(perm, self.size)
         self._check_axis()
         # vmap's ppermute needs a full permutation: route the idle workers among
@@ -178,6 +253,15 @@ class AxisCollective:
         Worker ``w`` of this collective is member ``w % group_size`` of group
         ``w // group_size`` (groups of consecutive workers). Reshape per-worker
         arrays from ``[size, ...]`` to ``[size // group_size, group_size, ...]``.
+
+        Args:
+          group_size: workers per group, a divisor of ``size``.
+          intra_axis: the axis name of the inner vmap (members of a group).
+          inter_axis: the axis name of the outer vmap (groups).
+
+        Returns:
+          ``(intra, inter)``: ``AxisCollective(intra_axis, group_size)`` and
+          ``AxisCollective(inter_axis, size // group_size)``.
         """
         from shoal.comms.groups import check_group_size
 

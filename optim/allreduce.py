@@ -12,7 +12,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective
+from shoal.optim.validation import check_collective, checked
 
 
 class AllReduceState(NamedTuple):
@@ -23,8 +23,11 @@ class AllReduceState(NamedTuple):
 def allreduce_gradients(
     *, collective: Collective, nonfinite: str | None = "skip"
 ) -> optax.GradientTransformationExtraArgs:
-    """Replace each worker's gradient by the mean over workers,
-    ``g <- (1/N) sum_i g_i``, with one ring all-reduce of the whole pytree.
+    """Synchronous data parallelism: replace each worker's gradient by the workers' mean.
+
+    One ring all-reduce of the whole pytree::
+
+        g <- (1/N) sum_i g_i
 
     Chain it before any optax optimizer, e.g.
     ``optax.chain(allreduce_gradients(collective=c), optax.sgd(0.1))``.
@@ -32,6 +35,30 @@ def allreduce_gradients(
     Args:
       collective: the workers to average over (`shoal.comms.Collective`).
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `AllReduceState` and whose ``update(updates, state, params=None)`` returns
+      ``(updates, new_state)``; the updates are the mean gradient, identical on
+      every worker.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import allreduce_gradients
+      >>> tx = allreduce_gradients(collective=coll)
+      >>> def mean_grad(g):
+      ...     updates, _ = tx.update(g, tx.init(g))
+      ...     return updates
+      >>> grads = jnp.array([[1.0, 2.0], [3.0, 6.0]])  # one row per worker
+      >>> print(jax.vmap(mean_grad, axis_name="workers")(grads))
+      [[2. 4.]
+       [2. 4.]]
+
+    References:
+      Sergeev & Del Balso, "Horovod: fast and easy distributed deep learning in
+      TensorFlow", 2018 (ring all-reduce).
     """
     check_collective(collective)
     check_nonfinite(nonfinite)
@@ -47,4 +74,7 @@ def allreduce_gradients(
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates), collective.size))
         return updates, state._replace(wire=state.wire.record(wire))
 
-    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))
+    guarded = guard(update_fn, nonfinite, collective)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("allreduce_gradients", AllReduceState, guarded)
+    )

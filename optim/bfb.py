@@ -25,7 +25,7 @@ from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes
 from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective, check_floating_leaves
+from shoal.optim.validation import check_collective, check_floating_leaves, checked
 
 
 class BFBState(NamedTuple):
@@ -42,8 +42,9 @@ def bfb_allreduce(
     order: Sequence[int] | None = None,
     nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    """Replace each worker's gradient by the mean over all workers, reduced buffer by
-    buffer through Herring's balanced fusion buffers. The mode follows the arguments:
+    """Herring's gradient mean over all workers through balanced fusion buffers.
+
+    ``g <- (1/W) sum_w g_w``, reduced buffer by buffer. The mode follows the arguments:
 
     1. colocated (``servers=None, intra=None``): the ``P`` workers of ``collective`` also
        serve shard ``p`` of every buffer: reduce-scatter (all-to-all, then a local sum),
@@ -70,6 +71,31 @@ def bfb_allreduce(
         worker at the same point. None: leaf order.
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the flag is
         all-reduced over ``intra`` and ``collective``, never sent to the servers.
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `BFBState` and whose ``update(updates, state, params=None)`` returns
+      ``(updates, new_state)``; the updates are the mean gradient, identical on
+      every worker.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import bfb_allreduce
+      >>> tx = bfb_allreduce(collective=coll, buffer_bytes=8)
+      >>> def mean_grad(g):
+      ...     updates, _ = tx.update(g, tx.init(g))
+      ...     return updates
+      >>> grads = {"a": jnp.array([[1.0, 2.0], [3.0, 6.0]]), "b": jnp.array([[0.0], [4.0]])}
+      >>> print(jax.vmap(mean_grad, axis_name="workers")(grads))
+      {'a': Array([[2., 4.],
+             [2., 4.]], dtype=float32), 'b': Array([[2.],
+             [2.]], dtype=float32)}
+
+    References:
+      Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale
+      for the Cloud", SC 2020, section III.
     """
     check_collective(collective)
     check_nonfinite(nonfinite)
@@ -122,7 +148,10 @@ def bfb_allreduce(
         return plan.unfuse(reduced), state._replace(wire=wire)
 
     tiers = tuple(t for t in (intra, collective) if t is not None)
-    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, tiers))
+    guarded = guard(update_fn, nonfinite, tiers)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("bfb_allreduce", BFBState, guarded)
+    )
 
 
 def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):

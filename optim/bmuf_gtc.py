@@ -34,7 +34,7 @@ def bmuf_gtc(
     block_momentum: ScalarOrSchedule | None = None,
     nesterov: bool = True,
     nbm: str = "seed",
-    reset_inner_state: bool = False,
+    reset_inner_state: bool = True,
     nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Two-tier training: GTC within each group of ``P`` workers, BMUF across the ``M`` groups.
@@ -77,6 +77,35 @@ def bmuf_gtc(
 
     State: `shoal.optim.bmuf.BMUFState`; its ``inner_state`` is the chain state
     ``(GTCState, inner state)``, or the inner state alone when ``P = 1``.
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `shoal.optim.BMUFState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; ``optax.apply_updates(params, updates)``
+      is this worker's next model.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> intra, inter = AxisCollective("workers", 4).split(2)
+      >>> from shoal.optim import bmuf_gtc
+      >>> tx = bmuf_gtc(optax.sgd(0.5), intra=intra, inter=inter, block_size=2, threshold=0.1)
+      >>> def train(params, target):
+      ...     state = tx.init(params)
+      ...     for _ in range(2):
+      ...         updates, state = tx.update(params - target, state, params)
+      ...         params = optax.apply_updates(params, updates)
+      ...     return params
+      >>> targets = jnp.arange(4.0).reshape(2, 2, 1)  # [group, member, param]
+      >>> run = jax.vmap(jax.vmap(train, axis_name="member"), axis_name="group")
+      >>> print(run(jnp.zeros((2, 2, 1)), targets)[..., 0])
+      [[0.1125 0.1125]
+       [0.1125 0.1125]]
+
+    References:
+      Ladkat et al., "Two Tiered Distributed Training Algorithm for Acoustic
+      Modeling", sections 2-3. Chen & Huo, ICASSP 2016 (BMUF). Strom, Interspeech
+      2015 (threshold compression).
     """
     check_collective(intra)
     check_collective(inter)
@@ -100,4 +129,5 @@ def bmuf_gtc(
         reset_local_state=reset if reset_inner_state else None,
         nonfinite=nonfinite,
         flag_collectives=(intra, inter),
+        name="bmuf_gtc",
     )

@@ -28,7 +28,7 @@ from shoal.comms.shards import check_sharded_alike, worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
 from shoal.optim.nonfinite import any_nonfinite, check_nonfinite, report
-from shoal.optim.validation import check_collective, check_floating_leaves, check_positive
+from shoal.optim.validation import check_collective, check_floating_leaves, check_positive, checked
 
 MAX_BUFFER_ELEMENTS = 2**31 - 1  # 31 index bits per word
 
@@ -104,6 +104,35 @@ def gtc(
         (0, 1]) or an absolute count (int >= 1, clipped to the element count).
       average: divide the sum of the workers' ``q`` by the number of workers.
       nonfinite: ``"skip"``, ``"raise"`` or None.
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `GTCState` and whose ``update(updates, state, params=None)`` returns
+      ``(updates, new_state)``; the updates are the aggregated quantised gradient,
+      identical on every worker.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import gtc
+      >>> tx = gtc(0.5, collective=coll, capacity=2)
+      >>> def step(g):
+      ...     updates, state = tx.update(g, tx.init(g))
+      ...     return updates, state.residual
+      >>> grads = jnp.array([[0.9, 0.2], [0.1, -0.7]])
+      >>> updates, residual = jax.vmap(step, axis_name="workers")(grads)
+      >>> print(updates)
+      [[ 0.25 -0.25]
+       [ 0.25 -0.25]]
+      >>> print(residual.round(3))
+      [[ 0.4  0.2]
+       [ 0.1 -0.2]]
+
+    References:
+      Strom, "Scalable distributed DNN training using commodity GPU cloud
+      computing", Interspeech 2015. Ladkat et al., "Two Tiered Distributed
+      Training Algorithm for Acoustic Modeling", section 2.1.
     """
     check_collective(collective)
     check_nonfinite(nonfinite)
@@ -181,7 +210,9 @@ def gtc(
         new_state = GTCState(residual, offset, skipped, sent, state.wire.record(wire))
         return jax.tree.unflatten(treedef, out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("gtc", GTCState, update_fn, lambda s: s.residual)
+    )
 
 
 def _split(flat, sizes):

@@ -32,7 +32,7 @@ from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective, check_floating_leaves, concrete_float
+from shoal.optim.validation import check_collective, check_floating_leaves, checked, concrete_float
 
 _SCALAR_BYTES = 4  # one float32: the local squared norm
 
@@ -94,8 +94,9 @@ def gradient_noise_scale(
     ema: float = 0.9,
     nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    """Average gradients over workers (like `allreduce_gradients`) and track the gradient
-    noise scale ``B_simple = tr(Sigma) / |G|^2`` in the state.
+    """Average gradients over workers and track the gradient noise scale in the state.
+
+    Like `allreduce_gradients`, plus McCandlish et al.'s ``B_simple = tr(Sigma) / |G|^2``.
 
     Per step ``t``, with ``N`` workers, ``b = local_batch_size``, ``g_i`` worker ``i``'s
     gradient and ``g = (1/N) sum_i g_i`` (the returned update)::
@@ -127,6 +128,26 @@ def gradient_noise_scale(
       local_batch_size: examples per worker per step (``B_small``), a positive int.
       ema: EMA decay in ``[0, 1)``.
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `NoiseScaleState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; the updates are the mean gradient and
+      ``noise_scale(state)`` reads ``B_simple``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import gradient_noise_scale, noise_scale
+      >>> tx = gradient_noise_scale(collective=coll, local_batch_size=8, ema=0.0)
+      >>> def step(g):
+      ...     updates, state = tx.update(g, tx.init(g))
+      ...     return updates, noise_scale(state)
+      >>> grads = jnp.array([[1.0, 1.0], [1.0, 3.0]])
+      >>> updates, b_simple = jax.vmap(step, axis_name="workers")(grads)
+      >>> print(updates[0], b_simple)
+      [1. 2.] [4. 4.]
 
     References:
       McCandlish et al., "An Empirical Model of Large-Batch Training", 2018, appendix A.1.
@@ -187,13 +208,46 @@ def gradient_noise_scale(
         new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, state.skipped, wire)
         return updates, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))
+    guarded = guard(update_fn, nonfinite, collective)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("gradient_noise_scale", NoiseScaleState, guarded)
+    )
 
 
 def noise_scale(opt_state: Any) -> jax.Array | None:
-    """``B_simple`` of the first `gradient_noise_scale` inside ``opt_state`` (any nesting of
-    optax states), or None when there is none. Works on the host and under tracing; under
-    ``vmap`` over workers the result has a leading worker axis."""
+    """The gradient noise scale ``B_simple`` recorded in an optimizer state.
+
+    ``B_simple = S_hat / |G|^2_hat`` of the first `gradient_noise_scale` inside
+    ``opt_state`` (any nesting of optax states), or None when there is none. Works on
+    the host and under tracing; under ``vmap`` over workers the result has a leading
+    worker axis.
+
+    Args:
+      opt_state: an optimizer state (any nesting of optax states) that may hold a
+        `NoiseScaleState`.
+
+    Returns:
+      a float32 array, ``B_simple`` (with a leading worker axis under ``vmap``),
+      or None when ``opt_state`` holds no `NoiseScaleState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import gradient_noise_scale, noise_scale
+      >>> tx = gradient_noise_scale(collective=coll, local_batch_size=8, ema=0.0)
+      >>> def step(g):
+      ...     updates, state = tx.update(g, tx.init(g))
+      ...     return updates, noise_scale(state)
+      >>> grads = jnp.array([[1.0, 1.0], [1.0, 3.0]])
+      >>> updates, b_simple = jax.vmap(step, axis_name="workers")(grads)
+      >>> print(updates[0], b_simple)
+      [1. 2.] [4. 4.]
+
+    References:
+      McCandlish et al., "An Empirical Model of Large-Batch Training", 2018,
+      appendix A.1.
+    """
     for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, NoiseScaleState)):
         if isinstance(s, NoiseScaleState):
             return s.noise_scale

@@ -51,7 +51,7 @@ from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
-from shoal.optim.validation import check_collective, require_params
+from shoal.optim.validation import check_collective, checked, require_params
 
 NONFINITE_POLICIES = ("skip", "raise", None)
 
@@ -212,9 +212,21 @@ def skip_nonfinite(
     collective: Collective | Sequence[Collective],
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    """Apply the non-finite policy (module docstring) to all of ``inner``, e.g. a chain:
-    on a skipped step every worker returns zero updates and keeps ``inner``'s whole state,
-    so the chain's momentum, counters and schedules do not move either.
+    """Skip a step of all of ``inner`` on every worker when any gradient is non-finite.
+
+    ``inner`` is typically a chain; a step is skipped when any worker's gradient holds a
+    NaN or Inf.
+
+    Each step every worker counts whether its gradient is finite and the count is
+    all-reduced (one int32, ``2 (N - 1) / N * 4`` bytes each way)::
+
+        bad = sum_i [g_i has a NaN/Inf];   bad > 0: updates = 0, inner_state unchanged,
+                                                    skipped += 1
+
+    On a skipped step every worker returns zero updates and keeps ``inner``'s whole state,
+    so the chain's momentum, counters and schedules do not move either. ``"raise"`` also
+    raises `NonFiniteGradientError` from a host callback (under ``jit`` it surfaces as a
+    ``jax.errors.JaxRuntimeError`` naming it).
 
     Args:
       inner: any optax transformation (typically a chain of shoal's transformations built
@@ -222,6 +234,32 @@ def skip_nonfinite(
       collective: the workers that must skip together (all of them; a two-tier algorithm
         passes ``(intra, inter)``).
       nonfinite: ``"skip"`` or ``"raise"``.
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `SkipNonFiniteState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; on a skipped step the updates are zeros
+      and ``inner``'s state is unchanged.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import allreduce_gradients, skip_nonfinite
+      >>> chain = optax.chain(allreduce_gradients(collective=coll, nonfinite=None), optax.sgd(1.0))
+      >>> tx = skip_nonfinite(chain, collective=coll)
+      >>> def step(g):
+      ...     updates, state = tx.update(g, tx.init(g))
+      ...     return updates, state.skipped
+      >>> grads = jnp.array([[1.0, 2.0], [jnp.nan, 0.0]])  # worker 1's gradient holds a NaN
+      >>> updates, skipped = jax.vmap(step, axis_name="workers")(grads)
+      >>> print(updates, skipped)
+      [[0. 0.]
+       [0. 0.]] [1 1]
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (skipping a step
+      on an overflow).
     """
     collectives = tuple(collective) if isinstance(collective, (list, tuple)) else (collective,)
     for c in collectives:
@@ -238,4 +276,7 @@ def skip_nonfinite(
         new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         return new_updates, state._replace(inner_state=inner_state, wire=state.wire.idle())
 
-    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collectives))
+    guarded = guard(update_fn, nonfinite, collectives)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("skip_nonfinite", SkipNonFiniteState, guarded)
+    )

@@ -45,6 +45,7 @@ from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    checked,
     concrete_float,
     require_params,
 )
@@ -231,6 +232,34 @@ def onebit_adam(
         it such an element diverges: its frozen ``v`` is 0 and the decompressed momentum
         is ``+-scale``, never 0, so its update is ``scale / eps``.
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `OneBitAdamState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; the updates are ``-lr`` times the Adam
+      direction, identical on every worker.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import onebit_adam
+      >>> tx = onebit_adam(0.1, collective=coll, freeze_step=1)
+      >>> def train(params, g):
+      ...     state = tx.init(params)
+      ...     for _ in range(3):  # one warm-up step, then two compressed ones
+      ...         updates, state = tx.update(g, state, params)
+      ...         params = optax.apply_updates(params, updates)
+      ...     return params
+      >>> grads = jnp.array([[1.0, 2.0], [3.0, 2.0]])  # one row per worker
+      >>> out = jax.vmap(train, axis_name="workers")(jnp.zeros((2, 2)), grads)
+      >>> print(out.round(3))
+      [[-0.91 -0.91]
+       [-0.91 -0.91]]
+
+    References:
+      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+      Adam's Convergence Speed", ICML 2021, Algorithm 1.
     """
     _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
     check_nonfinite(nonfinite)
@@ -302,8 +331,9 @@ def onebit_adam(
         )
         return treedef.unflatten(out), new_state
 
+    guarded = guard(update_fn, nonfinite, collective, needs_params="onebit_adam")
     return optax.GradientTransformationExtraArgs(
-        init_fn, guard(update_fn, nonfinite, collective, needs_params="onebit_adam")
+        init_fn, checked("onebit_adam", OneBitAdamState, guarded, lambda s: s.mu)
     )
 
 
@@ -375,6 +405,33 @@ def onebit_lamb(
         leaves) for structurally zero gradients; their momentum is zeroed after each
         decompression (without it they diverge, as in `onebit_adam`).
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `OneBitLambState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; the updates are identical on every worker.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import onebit_lamb
+      >>> tx = onebit_lamb(0.1, collective=coll, freeze_step=1)
+      >>> def train(params, g):
+      ...     state = tx.init(params)
+      ...     for _ in range(3):
+      ...         updates, state = tx.update(g, state, params)
+      ...         params = optax.apply_updates(params, updates)
+      ...     return params
+      >>> grads = jnp.array([[1.0, 2.0], [3.0, 2.0]])  # one row per worker
+      >>> out = jax.vmap(train, axis_name="workers")(jnp.ones((2, 2)), grads)
+      >>> print(out.round(3))
+      [[0.883 0.883]
+       [0.883 0.883]]
+
+    References:
+      Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
+      Training with LAMB's Convergence Speed", 2021, Algorithm 1.
     """
     _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
     check_nonfinite(nonfinite)
@@ -505,6 +562,7 @@ def onebit_lamb(
         out = [u.astype(x.dtype) for u, x in zip(out, leaves)]
         return treedef.unflatten(out), new_state
 
+    guarded = guard(update_fn, nonfinite, collective, needs_params="onebit_lamb")
     return optax.GradientTransformationExtraArgs(
-        init_fn, guard(update_fn, nonfinite, collective, needs_params="onebit_lamb")
+        init_fn, checked("onebit_lamb", OneBitLambState, guarded, lambda s: s.mu)
     )

@@ -37,7 +37,7 @@ from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import switch_inplace
 from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective, check_floating_leaves
+from shoal.optim.validation import check_collective, check_floating_leaves, checked
 
 __all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
 
@@ -111,6 +111,33 @@ def partial_exchange(
       schedule: optional mapping from step (int >= 0) to fraction in ``(0, 1]``.
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the check
         covers every leaf, exchanged or not, since the local leaves are applied too.
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `PartialExchangeState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; the exchanged bin's leaves are the mean
+      over workers, the others this worker's own.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import partial_exchange
+      >>> tx = partial_exchange(0.5, collective=coll)
+      >>> def two_steps(g):
+      ...     state = tx.init(g)
+      ...     first, state = tx.update(g, state)
+      ...     second, state = tx.update(g, state)
+      ...     return first, second
+      >>> a, b = jnp.array([[1.0, 1.0], [3.0, 3.0]]), jnp.array([[1.0, 1.0], [5.0, 5.0]])
+      >>> grads = {"a": a, "b": b}
+      >>> first, second = jax.vmap(two_steps, axis_name="workers")(grads)
+      >>> print(first["a"][:, 0], first["b"][:, 0], second["a"][:, 0], second["b"][:, 0])
+      [2. 2.] [1. 5.] [1. 3.] [3. 3.]
+
+    References:
+      Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section 3.4.2
+      (partial gradient exchange).
     """
     check_collective(collective)
     check_nonfinite(nonfinite)
@@ -181,7 +208,10 @@ def partial_exchange(
         wire = state.wire.record(wire)
         return out, PartialExchangeState(t + 1, flat_bin, fraction, state.skipped, wire)
 
-    return optax.GradientTransformationExtraArgs(init_fn, guard(update_fn, nonfinite, collective))
+    guarded = guard(update_fn, nonfinite, collective)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("partial_exchange", PartialExchangeState, guarded)
+    )
 
 
 def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], ...]:
@@ -192,6 +222,24 @@ def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], .
     and each lists its leaves' ``jax.tree_util.keystr`` paths in ``jax.tree.leaves``
     order. ``tree`` may hold arrays or ``jax.ShapeDtypeStruct`` (only shapes and dtypes
     matter).
+
+    Args:
+      tree: the gradient (or params) pytree, arrays or ``jax.ShapeDtypeStruct``.
+      budget_fraction: bin capacity as a fraction of the tree's bytes, in ``(0, 1]``.
+
+    Returns:
+      a tuple of bins, each a tuple of leaf paths (``jax.tree_util.keystr``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.optim import pgx_partition
+      >>> tree = {"w": jnp.zeros((6,)), "b": jnp.zeros((2,)), "c": jnp.zeros((4,))}
+      >>> pgx_partition(tree, 0.5)
+      (("['w']",), ("['b']", "['c']"))
+
+    References:
+      Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section
+      3.4.2.
     """
     fraction = _check_fraction("budget_fraction", budget_fraction)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -31,7 +31,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
 from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective, check_floating_leaves, require_params
+from shoal.optim.validation import check_collective, check_floating_leaves, checked, require_params
 
 STRATEGIES = ("round_robin", "random")
 
@@ -69,8 +69,9 @@ def peer_averaging(
     seed: int = 0,
     nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    """Average this worker's model with one peer's after every step, then apply the
-    local update of ``inner`` (synchronous peer model averaging, Algorithm 4)::
+    """Synchronous peer model averaging: average with one peer's model every step.
+
+    Then apply the local update of ``inner`` (the thesis's Algorithm 4)::
 
         v <- (v + v_peer) / 2 + u,     u, inner_state = inner.update(g, inner_state, v)
 
@@ -120,6 +121,25 @@ def peer_averaging(
 
     With ``optax.inject_hyperparams``, pass ``static_args=("strategy", "staleness",
     "seed")``.
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `PeerAveragingState` and whose ``update(updates, state, params=None)``
+      returns ``(updates, new_state)``; ``optax.apply_updates(params, updates)``
+      is the averaged model plus the local update.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import peer_averaging
+      >>> coll = AxisCollective("workers", 3)
+      >>> tx = peer_averaging(optax.sgd(0.0), collective=coll)  # lr 0: averaging alone
+      >>> def step(params):
+      ...     updates, _ = tx.update(jnp.zeros_like(params), tx.init(params), params)
+      ...     return optax.apply_updates(params, updates)
+      >>> print(jax.vmap(step, axis_name="workers")(jnp.array([[0.0], [3.0], [6.0]]))[:, 0])
+      [3.  1.5 4.5]
 
     References:
       Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section 3.4.3 and
@@ -185,14 +205,36 @@ def peer_averaging(
         wire = state.wire.record(WireCount.of(n, n))
         return out, PeerAveragingState(inner_state, t + 1, history, state.skipped, wire)
 
+    guarded = guard(update_fn, nonfinite, collective, needs_params="peer_averaging")
     return optax.GradientTransformationExtraArgs(
-        init_fn, guard(update_fn, nonfinite, collective, needs_params="peer_averaging")
+        init_fn, checked("peer_averaging", PeerAveragingState, guarded)
     )
 
 
 def peer_permutation(strategy: str, size: int, step: int, seed: int = 0) -> tuple[int, ...]:
-    """The permutation `peer_averaging` uses at 0-based step ``step`` (host-side):
-    ``perm[r]`` is the rank that worker ``r`` sends its model to."""
+    """The permutation `peer_averaging` uses at 0-based step ``step`` (host-side).
+
+    ``perm[r]`` is the rank that worker ``r`` sends its model to; for ``"round_robin"``
+    ``perm[r] = (r + 1 + (step mod (size - 1))) mod size``.
+
+    Args:
+      strategy: ``"round_robin"`` or ``"random"``, as given to `peer_averaging`.
+      size: the number of workers (int >= 2).
+      step: the 0-based step (int >= 0).
+      seed: the ``"random"`` strategy's shared seed (int >= 0).
+
+    Returns:
+      a tuple of ``size`` ints, ``perm[r]`` the rank worker ``r`` sends to.
+
+    Example:
+      >>> from shoal.optim import peer_permutation
+      >>> peer_permutation("round_robin", 4, 0), peer_permutation("round_robin", 4, 1)
+      ((1, 2, 3, 0), (2, 3, 0, 1))
+
+    References:
+      Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section
+      3.4.3.
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _check_int("size", size, 2)

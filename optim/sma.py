@@ -28,6 +28,7 @@ from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    checked,
     concrete_float,
     require_params,
 )
@@ -54,8 +55,9 @@ def sma(
     alpha: float = 0.1,
     nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    """Pull every worker's model towards the mean model, then apply the local update of
-    ``inner``::
+    """Synchronous model averaging: pull each model towards the mean, then step locally.
+
+    With ``u`` the local update of ``inner``::
 
         v <- (1 - alpha) v + alpha * mean_workers(v) + u,
         u, inner_state = inner.update(g, inner_state, v)
@@ -76,6 +78,24 @@ def sma(
       alpha: the averaging weight in ``(0, 1]``; may be injected with
         ``optax.inject_hyperparams`` (a traced value is not checked).
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `SMAState` and whose ``update(updates, state, params=None)`` returns
+      ``(updates, new_state)``; ``optax.apply_updates(params, updates)`` is the
+      pulled model plus the local update.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 2)
+      >>> from shoal.optim import sma
+      >>> tx = sma(optax.sgd(0.0), collective=coll, alpha=0.5)  # lr 0: averaging alone
+      >>> def step(params):
+      ...     updates, _ = tx.update(jnp.zeros_like(params), tx.init(params), params)
+      ...     return optax.apply_updates(params, updates)
+      >>> print(jax.vmap(step, axis_name="workers")(jnp.array([[0.0], [4.0]]))[:, 0])
+      [1. 3.]
 
     References:
       Brabete, "Kungfu", MEng thesis, Imperial College London, 2019, section 2.6.2;
@@ -105,6 +125,5 @@ def sma(
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), collective.size))
         return out, SMAState(inner_state, state.skipped, state.wire.record(wire))
 
-    return optax.GradientTransformationExtraArgs(
-        init_fn, guard(update_fn, nonfinite, collective, needs_params="sma")
-    )
+    guarded = guard(update_fn, nonfinite, collective, needs_params="sma")
+    return optax.GradientTransformationExtraArgs(init_fn, checked("sma", SMAState, guarded))

@@ -53,3 +53,80 @@ def require_params(name: str, params: Any) -> None:
     """Transformations whose update reads the model refuse a missing ``params``."""
     if params is None:
         raise ValueError(f"{name} needs params: call update(grads, state, params)")
+
+
+def _describe(treedef: Any) -> str:
+    text = str(treedef)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def check_tree_like(name: str, what: str, tree: Any, reference: Any, expected: str) -> None:
+    """Static check: ``tree`` has ``reference``'s structure and leaf shapes (dtypes may
+    differ). ``what`` names ``tree`` ("the gradient", "params") and ``expected`` says
+    where ``reference`` came from; the error names ``name`` and the first leaf that
+    differs, with what was expected and what was got."""
+    got, got_def = jax.tree_util.tree_flatten_with_path(tree)
+    want, want_def = jax.tree_util.tree_flatten_with_path(reference)
+    if got_def != want_def:
+        got_keys = {jax.tree_util.keystr(p) for p, _ in got}
+        want_keys = {jax.tree_util.keystr(p) for p, _ in want}
+        missing, extra = sorted(want_keys - got_keys), sorted(got_keys - want_keys)
+        detail = ""
+        if missing:
+            detail += f"; missing leaves {', '.join(missing[:5])}"
+        if extra:
+            detail += f"; unexpected leaves {', '.join(extra[:5])}"
+        raise ValueError(
+            f"{name}: {what} does not have the tree structure of {expected}{detail}. "
+            f"Expected {_describe(want_def)}, got {_describe(got_def)}"
+        )
+    for (path, leaf), (_, ref) in zip(got, want):
+        if np.shape(leaf) != np.shape(ref):
+            raise ValueError(
+                f"{name}: {what} leaf {jax.tree_util.keystr(path) or '(root)'} has shape "
+                f"{tuple(np.shape(leaf))}, expected {tuple(np.shape(ref))} (its shape in "
+                f"{expected})"
+            )
+
+
+def check_update_args(
+    name: str,
+    state: Any,
+    state_type: type,
+    updates: Any,
+    params: Any = None,
+    reference: Any = None,
+) -> None:
+    """Cheap trace-time checks at the top of a transformation's ``update``.
+
+    ``state`` must be a ``state_type`` (the result of this transformation's ``init``);
+    ``updates`` must match ``reference`` (a params-shaped tree from the state, when the
+    state holds one) and, when given, ``params``.
+    """
+    if not isinstance(state, state_type):
+        got = f"a {type(state).__name__}"
+        if isinstance(state, tuple) and not state:
+            got = "an empty tuple ()"
+        raise TypeError(
+            f"{name}: update got {got} as its state, expected a {state_type.__name__}: "
+            f"pass the state returned by this {name}(...) transformation's init(params) "
+            f"(and the one its previous update returned), not another transformation's"
+        )
+    if reference is not None:
+        check_tree_like(
+            name, "the gradient (updates)", updates, reference, "the params given to init"
+        )
+    if params is not None:
+        check_tree_like(name, "the gradient (updates)", updates, params, "params")
+
+
+def checked(name: str, state_type: type, update_fn: Any, reference: Any = None) -> Any:
+    """``update_fn`` preceded by `check_update_args`; ``reference(state)`` returns the
+    state's params-shaped tree (None: the state holds none)."""
+
+    def update(updates, state, params=None, **extra_args):
+        ref = reference(state) if reference is not None and isinstance(state, state_type) else None
+        check_update_args(name, state, state_type, updates, params, ref)
+        return update_fn(updates, state, params, **extra_args)
+
+    return update
