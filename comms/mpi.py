@@ -86,6 +86,20 @@ class MPICollective:
     def __repr__(self):
         return f"MPICollective(size={self.size}, rank={self._rank})"
 
+    @property
+    def process_rank(self) -> int:
+        """This process's rank in ``comm``, a plain Python ``int`` (read-only).
+
+        Use it in host code, outside any traced function: to pick this worker's shard of
+        the data (``x[coll.process_rank]``), to print from one rank only, or to name a
+        per-rank file. The method ``rank()`` gives the same number as a JAX ``int32``
+        array; it is the `Collective` interface's rank, meant for code that also runs
+        under `AxisCollective` (inside ``vmap``/``shard_map``, where the rank is traced
+        and differs per simulated worker). `AxisCollective` has no ``process_rank``:
+        its workers share one process.
+        """
+        return self._rank
+
     def rank(self) -> jax.Array:
         return jnp.int32(self._rank)
 
