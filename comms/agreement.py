@@ -22,12 +22,34 @@ def _describe(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def check_same_structure(tree: Any, collective: Any, *, name: str = "params") -> None:
-    """Raise a `ValueError` naming the first leaf where a worker's ``tree`` differs from
-    worker 0's (path, shape or dtype), on every worker alike.
+    """Check that every worker holds a ``tree`` of the same structure as worker 0's.
 
-    With MPI this is one ``allgather`` of the description on the collective's
-    communicator: call it on every worker at the same point, outside running computations.
-    Simulated workers (`AxisCollective`) share one trace, so they cannot differ: no-op.
+    With MPI this is one ``allgather`` of the description (paths, shapes, dtypes) on the
+    collective's communicator: call it on every worker at the same point, outside
+    running computations. Simulated workers (`AxisCollective`) share one trace, so they
+    cannot differ: then it does nothing.
+
+    Args:
+      tree: this worker's pytree, e.g. its parameters.
+      collective: the workers (`shoal.comms.Collective`).
+      name: what ``tree`` is, for the error message.
+
+    Returns:
+      None.
+
+    Raises:
+      ValueError: on every worker alike, naming the first leaf where a worker's tree
+        differs from worker 0's (path, shape or dtype).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, check_same_structure
+      >>> check_same_structure({"w": jnp.zeros(3)}, AxisCollective("workers", 2))
+      >>> # under mpiexec, with a worker whose "w" has another shape:
+      >>> from shoal.comms import MPICollective  # doctest: +SKIP
+      >>> check_same_structure(params, MPICollective())  # doctest: +SKIP
+      Traceback (most recent call last):
+      ValueError: ...
     """
     comm = getattr(collective, "comm", None)
     if comm is None:

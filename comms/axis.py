@@ -37,17 +37,28 @@ _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 @dataclasses.dataclass(frozen=True)
 class AxisCollective:
-    """Collectives over the named axis ``axis_name`` whose size must be ``size``: a
-    ``vmap`` axis (simulated workers) or a mesh axis under ``jax.shard_map`` (devices,
-    with JAX's default ``check_vma=True``).
+    """Collectives over a named JAX axis: simulated workers under ``vmap``, or devices.
 
-    Example::
+    The axis is a ``vmap`` axis (N workers in one process, bit-identical collectives)
+    or a mesh axis under ``jax.shard_map`` (devices, with JAX's default
+    ``check_vma=True``).
 
-        coll = AxisCollective("workers", 4)
-        step = jax.vmap(lambda g: coll.all_reduce(g), axis_name="workers")
-        mesh = jax.sharding.Mesh(jax.devices()[:4], ("workers",))
-        step = jax.shard_map(lambda g: coll.all_reduce(g), mesh=mesh,
-                             in_specs=P("workers"), out_specs=P("workers"))
+    Args:
+      axis_name: non-empty str, the name of the axis.
+      size: int ``>= 1``, the size the axis must have.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective
+      >>> coll = AxisCollective("workers", 4)
+      >>> step = jax.vmap(lambda g: coll.all_reduce(g), axis_name="workers")
+      >>> print(step(jnp.arange(4.0)))  # worker i holds i; all get the mean
+      [1.5 1.5 1.5 1.5]
+      >>> # the same over 4 devices:
+      >>> from jax.sharding import PartitionSpec as P  # doctest: +SKIP
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("workers",))  # doctest: +SKIP
+      >>> step = jax.shard_map(lambda g: coll.all_reduce(g), mesh=mesh,
+      ...                      in_specs=P("workers"), out_specs=P("workers"))  # doctest: +SKIP
     """
 
     axis_name: str

@@ -19,7 +19,20 @@ REDUCE_OPS = ("mean", "sum", "max", "min")
 
 @runtime_checkable
 class Collective(Protocol):
-    """What an algorithm may ask of its peers. All methods are traceable under ``jax.jit``."""
+    """What an algorithm may ask of its peers: the protocol every engine implements.
+
+    A collective is a frozen, hashable, non-callable object with a static ``size`` and
+    the methods ``rank``, ``uniform``, ``all_reduce``, ``all_gather``, ``all_to_all``,
+    ``broadcast`` and ``ppermute``, all traceable under ``jax.jit``. Engines:
+    `AxisCollective` (simulated workers under ``vmap``, or devices under
+    ``shard_map``), `MPICollective` (MPI processes) and `RecordingCollective`
+    (one process, logging what would be sent).
+
+    Example:
+      >>> from shoal.comms import AxisCollective, Collective
+      >>> isinstance(AxisCollective("workers", 4), Collective)
+      True
+    """
 
     size: int
 

@@ -56,10 +56,23 @@ def _check_n(n) -> int:
 
 
 def compressed_allreduce_padded_size(n: int, size: int) -> int:
-    """``n_pad``: the smallest multiple of ``size * lcm(size, 8)`` that is ``>= n``.
+    """The padded length ``n_pad`` of the buffers of `compressed_allreduce`.
 
-    Each of the ``size`` chunks then holds a multiple of 8 elements (whole bytes of
-    signs) and of ``size``.
+    ``n_pad`` is the smallest multiple of ``size * lcm(size, 8)`` that is ``>= n``, so
+    each of the ``size`` chunks holds a multiple of 8 elements (whole bytes of signs)
+    and of ``size``.
+
+    Args:
+      n: positive int, the number of values reduced.
+      size: the number of workers ``P``.
+
+    Returns:
+      ``n_pad``, a Python int.
+
+    Example:
+      >>> from shoal.comms import compressed_allreduce_padded_size
+      >>> compressed_allreduce_padded_size(100, size=4)  # a multiple of 4 * lcm(4, 8) = 32
+      128
     """
     _check_n(n)
     check_size(size)
@@ -68,19 +81,54 @@ def compressed_allreduce_padded_size(n: int, size: int) -> int:
 
 
 def compressed_allreduce_init(n: int, size: int) -> tuple[jax.Array, jax.Array]:
-    """Zero ``(worker_error, server_error)``: float32[n_pad] and float32[n_pad / size]."""
+    """The initial error-feedback buffers of `compressed_allreduce`: zeros.
+
+    Args:
+      n: positive int, the number of values reduced.
+      size: the number of workers ``P``.
+
+    Returns:
+      ``(worker_error, server_error)``: zero float32[n_pad] and float32[n_pad / size],
+      with ``n_pad`` from `compressed_allreduce_padded_size`.
+
+    Example:
+      >>> from shoal.comms import compressed_allreduce_init
+      >>> worker_error, server_error = compressed_allreduce_init(10, size=2)
+      >>> worker_error.shape, server_error.shape
+      ((16,), (8,))
+    """
     n_pad = compressed_allreduce_padded_size(n, size)
     return jnp.zeros(n_pad, jnp.float32), jnp.zeros(n_pad // size, jnp.float32)
 
 
 def compressed_allreduce_bytes(n: int, size: int) -> tuple[int, int]:
-    """``(sent, received)`` bytes per worker and call, static (`shoal.comms.wire` rules).
+    """Bytes one call of `compressed_allreduce` sends and receives per worker (static).
 
-    With ``c = n_pad / size`` and ``b = c / 8`` sign bytes per chunk:
+    With ``P = size``, ``c = n_pad / P`` and ``b = c / 8`` sign bytes per chunk:
     all-to-all of the ``n_pad / 8`` packed bytes ``(P-1) b``, all-gather of the worker
     scale ``4 (P-1)``, all-gather of the packed server chunk ``(P-1) b`` and of its
-    scale ``4 (P-1)``: ``2 (P-1) (b + 4)`` each way (against ``2 (P-1) / P 4 n`` for a
-    float32 ring all-reduce, about ``32 n / n_pad`` times more).
+    scale ``4 (P-1)``::
+
+        sent = received = 2 (P-1) (b + 4)
+
+    against ``2 (P-1) / P 4 n`` for a float32 ring all-reduce, about ``32 n / n_pad``
+    times more. Counted by the rules of `shoal.comms.wire`.
+
+    Args:
+      n: positive int, the number of values reduced.
+      size: the number of workers ``P``.
+
+    Returns:
+      ``(sent, received)``, Python ints.
+
+    Example:
+      >>> from shoal.comms import compressed_allreduce_bytes
+      >>> compressed_allreduce_bytes(1000, size=4)  # n_pad = 1024, b = 32
+      (216, 216)
+
+    References:
+      H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+      Adam's Convergence Speed", ICML 2021, section 4.
     """
     n_pad = compressed_allreduce_padded_size(n, size)
     chunk_bytes = n_pad // size // 8
@@ -109,7 +157,19 @@ def compressed_allreduce(
     collective: Collective,
     impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Error-compensated 1-bit mean of ``x`` over the workers (see the module docstring).
+    """Error-compensated 1-bit mean of ``x`` over the workers, the same on every worker.
+
+    Two stages, each sending signs (8 per byte) and one RMS scale per chunk. ``x`` is
+    padded to ``n_pad`` (`compressed_allreduce_padded_size`) and cut into ``P`` chunks;
+    worker ``r`` reduces chunk ``r``::
+
+        v   = pad(x) + e            s = sqrt(mean(v * v))     e <- v - s sign(v)
+        m_r = (1/P) sum_j s_j sign(v_j)[chunk r] + e_r           (all-to-all)
+        s_r = sqrt(mean(m_r * m_r))                         e_r <- m_r - s_r sign(m_r)
+        y   = concat_r s_r sign(m_r), un-padded to n                 (all-gather)
+
+    with ``sign(v) = +1`` for ``v >= 0`` and ``-1`` otherwise; ``e`` is the worker
+    error and ``e_r`` the server error, fed back into the next call.
 
     Args:
       x: float32[n], this worker's values.
@@ -123,6 +183,26 @@ def compressed_allreduce(
     Returns:
       ``(y, worker_error, server_error)``: ``y`` float32[n], the same on every worker,
       and the updated errors. Donate the errors under ``jax.jit`` to update them in place.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, compressed_allreduce
+      >>> from shoal.comms import compressed_allreduce_init
+      >>> coll = AxisCollective("workers", 2)
+      >>> def mean(x):
+      ...     worker_error, server_error = compressed_allreduce_init(16, coll.size)
+      ...     y, _, _ = compressed_allreduce(x, worker_error, server_error, collective=coll)
+      ...     return y
+      >>> x = jnp.array([[1.0, -1.0] * 8, [3.0, -3.0] * 8])  # one row per worker
+      >>> print(jax.jit(jax.vmap(mean, axis_name="workers"))(x)[:, :4])
+      [[ 2. -2.  2. -2.]
+       [ 2. -2.  2. -2.]]
+
+    References:
+      H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+      Adam's Convergence Speed", ICML 2021, section 4 (compressed all-reduce).
+      C. Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
+      Training with LAMB's Convergence Speed", HiPC 2022 (arXiv:2104.06069).
     """
     size = collective.size
     if getattr(x, "dtype", jnp.float32) != jnp.float32:

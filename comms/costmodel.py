@@ -436,11 +436,34 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """``nodes`` nodes of ``workers_per_node`` workers (GPUs).
+    """A cluster of ``nodes`` nodes of ``workers_per_node`` workers (GPUs), for the cost model.
 
-    Bandwidths are bytes/s per direction: ``intra_bandwidth`` per worker inside a node
-    (NVLink/PCIe), ``inter_bandwidth`` per node (its network interface, shared by the node's
-    workers). Latencies are seconds per message; ``gamma`` is seconds per byte reduced.
+    A message of ``n`` bytes over a link costs ``latency + n / bandwidth`` seconds, and
+    reducing ``n`` bytes costs ``n gamma``. `Cluster.preset` builds a described machine.
+
+    Args:
+      nodes: int ``>= 1``, the number of nodes.
+      workers_per_node: int ``>= 1``, workers in each node (consecutive ranks).
+      intra_bandwidth: bytes/s per direction per worker inside a node (NVLink/PCIe).
+      intra_latency: seconds per message inside a node.
+      inter_bandwidth: bytes/s per direction per node (its network interface, shared
+        by the node's workers).
+      inter_latency: seconds per message between nodes.
+      gamma: seconds per byte reduced.
+      name: a label for reports.
+
+    Example:
+      >>> from shoal.comms import Cluster, Event, step_comm_time
+      >>> cluster = Cluster(nodes=2, workers_per_node=4, intra_bandwidth=100e9,
+      ...                   intra_latency=0.0, inter_bandwidth=10e9, inter_latency=0.0)
+      >>> cluster.workers
+      8
+      >>> round(step_comm_time([Event("all_reduce", "world", 10**9)], cluster), 3)
+      0.175
+
+    References:
+      R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of Collective Communication
+      Operations in MPICH", IJHPCA 19(1), 2005 (alpha-beta-gamma costs).
     """
 
     nodes: int
@@ -492,10 +515,21 @@ def cluster(name: str, nodes: int) -> Cluster:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One collective call of a step: ``kind`` in `KINDS`, ``group`` in `GROUPS`, ``nbytes``
-    the payload as the call sees it: the tree's bytes for all_reduce and ps, the worker's own
-    part for all_gather, the whole ``[P, ...]`` buffer for all_to_all, the sent array for
-    ppermute and broadcast."""
+    """One collective call of a training step, as the cost model sees it.
+
+    Args:
+      kind: ``"all_reduce"``, ``"all_gather"``, ``"all_to_all"``, ``"broadcast"``,
+        ``"ppermute"`` or ``"ps"`` (a parameter-server push and pull).
+      group: ``"world"``, ``"intra"`` or ``"inter"``, the workers taking part.
+      nbytes: int ``>= 0``, the payload as the call sees it: the tree's bytes for
+        all_reduce and ps, the worker's own part for all_gather, the whole ``[P, ...]``
+        buffer for all_to_all, the sent array for ppermute and broadcast.
+
+    Example:
+      >>> from shoal.comms import Event
+      >>> Event("all_reduce", "world", nbytes=4000)
+      Event(kind='all_reduce', group='world', nbytes=4000)
+    """
 
     kind: str
     group: str
@@ -513,9 +547,21 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class Projection:
-    """Seconds per step: communication, and the whole step (``compute + comm``: no overlap
-    of computation and communication is assumed, an upper bound for frameworks that
-    overlap the all-reduce with the backward pass)."""
+    """Projected seconds per step: communication, and the whole step (``compute + comm``).
+
+    No overlap of computation and communication is assumed: an upper bound for
+    frameworks that overlap the all-reduce with the backward pass. ``compute_s`` and
+    ``comm_fraction`` (``comm_s / step_s``) are derived.
+
+    Args:
+      comm_s: seconds of communication per step.
+      step_s: seconds of the whole step.
+
+    Example:
+      >>> from shoal.comms import Projection
+      >>> Projection(comm_s=0.5, step_s=2.0).comm_fraction
+      0.25
+    """
 
     comm_s: float
     step_s: float
@@ -615,14 +661,20 @@ def step_comm_time(
     all_reduce: str = "ring",
     ps: str = "pipelined",
 ) -> float:
-    """Seconds of communication of one step's ``events`` on ``cluster``, one after another
-    (collectives of a step are assumed not to overlap each other).
+    """Seconds of communication of one step's ``events`` on ``cluster``, one after another.
+
+    Collectives of a step are assumed not to overlap each other. Each event costs its
+    algorithm's alpha-beta-gamma time, e.g. for a ring all-reduce of ``n`` bytes among
+    ``p`` workers::
+
+        T = 2 (p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma
 
     Groups: "world" has ``p = cluster.workers``; "intra" ``p = group_size`` (default
     ``workers_per_node``), consecutive workers; "inter" ``p = workers / group_size``. A group
-    inside one node uses the intra link; one spanning nodes the inter link (module docstring:
-    one stream per NIC for ring-shaped collectives, ``workers_per_node`` for all-to-all,
-    ``min(group_size, workers_per_node)`` concurrent "inter" collectives).
+    inside one node uses the intra link; one spanning nodes the inter link, whose node
+    bandwidth is shared by one stream for ring-shaped collectives, ``workers_per_node``
+    for all-to-all, and ``min(group_size, workers_per_node)`` concurrent "inter"
+    collectives.
 
     Algorithms: all_reduce is ``"ring"`` (default; NCCL's bandwidth-optimal choice for large
     buffers and shoal's wire accounting), ``"rabenseifner"``, ``"tree"`` or
@@ -634,6 +686,33 @@ def step_comm_time(
     `hierarchical_ps`), else the flat formula; ``ps`` picks
     ``"pipelined"`` (Herring) or ``"naive"``. A group of one worker costs nothing, except
     "ps", whose push and pull happen whatever the number of workers.
+
+    Args:
+      events: the step's `Event` s, e.g. one step of `record_events`.
+      cluster: the `Cluster`.
+      group_size: workers per "intra" group; None: ``cluster.workers_per_node``.
+      all_reduce: ``"ring"``, ``"rabenseifner"``, ``"tree"`` or ``"hierarchical"``.
+      ps: ``"pipelined"`` or ``"naive"``.
+
+    Returns:
+      seconds, a float.
+
+    Example:
+      >>> from shoal.comms import Cluster, Event, step_comm_time
+      >>> cluster = Cluster(nodes=2, workers_per_node=4, intra_bandwidth=100e9,
+      ...                   intra_latency=0.0, inter_bandwidth=10e9, inter_latency=0.0)
+      >>> step = [Event("all_reduce", "world", 8 * 10**9)]  # spans nodes: 10 GB/s
+      >>> round(step_comm_time(step, cluster), 3)  # 2 (7/8) 8e9 / 10e9
+      1.4
+      >>> step = [Event("all_reduce", "intra", 8 * 10**9)]  # inside a node: 100 GB/s
+      >>> round(step_comm_time(step, cluster), 3)  # 2 (3/4) 8e9 / 100e9
+      0.12
+
+    References:
+      R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of Collective Communication
+      Operations in MPICH", IJHPCA 19(1), 2005 (alpha-beta-gamma costs).
+      A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+      the Cloud", SC 2020, section IV-A (parameter-server costs).
     """
     _check_algorithms(all_reduce, ps)
     _group_size(cluster, group_size)  # checked even for a step without events
@@ -651,9 +730,35 @@ def project(
     all_reduce: str = "ring",
     ps: str = "pipelined",
 ) -> Projection:
-    """Step time on ``cluster``: ``compute_s`` (seconds of computation per step, e.g.
-    measured on one worker) plus `step_comm_time`; computation and communication are
-    assumed not to overlap (step = compute + comm)."""
+    """Projected step time on ``cluster``: computation plus communication, not overlapped.
+
+    ::
+
+        step_s = compute_s + step_comm_time(events, cluster, ...)
+
+    Args:
+      events: the step's `Event` s, e.g. one step of `record_events`.
+      cluster: the `Cluster`.
+      compute_s: seconds of computation per step, e.g. measured on one worker.
+      group_size: workers per "intra" group; None: ``cluster.workers_per_node``.
+      all_reduce: ``"ring"``, ``"rabenseifner"``, ``"tree"`` or ``"hierarchical"``.
+      ps: ``"pipelined"`` or ``"naive"``.
+
+    Returns:
+      a `Projection` ``(comm_s, step_s)``.
+
+    Example:
+      >>> from shoal.comms import Cluster, Event, project
+      >>> cluster = Cluster(nodes=2, workers_per_node=4, intra_bandwidth=100e9,
+      ...                   intra_latency=0.0, inter_bandwidth=10e9, inter_latency=0.0)
+      >>> proj = project([Event("all_reduce", "world", 8 * 10**9)], cluster, compute_s=0.6)
+      >>> round(proj.step_s, 3), round(proj.comm_fraction, 3)
+      (2.0, 0.7)
+
+    References:
+      R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of Collective Communication
+      Operations in MPICH", IJHPCA 19(1), 2005 (alpha-beta-gamma costs).
+    """
     compute_s = _check_real("compute_s", compute_s)
     comm = step_comm_time(events, cluster, group_size=group_size, all_reduce=all_reduce, ps=ps)
     return Projection(comm_s=comm, step_s=compute_s + comm)

@@ -89,12 +89,38 @@ def auto_buffer_bytes(total_bytes: int, num_shards: int, itemsize: int = 4) -> i
 
 @dataclasses.dataclass(frozen=True)
 class FusionPlan:
-    """The balanced-fusion-buffer layout of one pytree (see `plan_fusion`).
+    """The balanced-fusion-buffer layout of one pytree, as built by `plan_fusion`.
 
     Buffer ``b`` holds ``buffer_sizes[b]`` elements of ``dtype``; `fuse` returns it as a
     ``[num_shards, shard_sizes[b]]`` array, zero-padded at the tail when
     ``num_shards * shard_sizes[b] > buffer_sizes[b]`` (the last buffer, or every buffer
-    when ``buffer_bytes`` is not a multiple of ``num_shards`` elements).
+    when ``buffer_bytes`` is not a multiple of ``num_shards`` elements); `unfuse`
+    inverts it. Frozen and hashable, so jitted code can close over it.
+
+    Args:
+      treedef: the pytree structure.
+      shapes: the shape of each leaf (``jax.tree.leaves`` order).
+      dtypes: the dtype of each leaf.
+      order: production order of the leaves (leaf indices, first produced first).
+      dtype: the buffer dtype, the promotion of ``dtypes``.
+      num_shards: shards per buffer, one per server.
+      buffer_elements: elements of a full buffer.
+      buffer_sizes: elements of each buffer (the last may hold fewer).
+      shard_sizes: elements of one shard of each buffer, ``ceil(size / num_shards)``.
+      segments: per buffer, the leaf pieces it holds as ``Segment(leaf, start, stop,
+        offset)``: elements ``[start, stop)`` of the flattened leaf sit at ``offset``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import plan_fusion
+      >>> params = {"a": jnp.ones(10), "b": jnp.ones(2), "c": jnp.ones(3)}
+      >>> plan = plan_fusion(params, buffer_bytes=32, num_shards=2)
+      >>> buffers = plan.fuse(params)  # leaf "a" spans both buffers
+      >>> print(buffers[1])  # 7 elements and one of padding
+      [[1. 1. 1. 1.]
+       [1. 1. 1. 0.]]
+      >>> plan.unfuse(buffers)["c"].shape
+      (3,)
     """
 
     treedef: Any
@@ -185,8 +211,14 @@ def plan_fusion(
     num_shards: int,
     order: Sequence[int] | None = None,
 ) -> FusionPlan:
-    """Lay ``params_or_shapes`` (arrays or `jax.ShapeDtypeStruct` leaves) out in balanced
-    fusion buffers of ``buffer_bytes`` bytes, each cut into ``num_shards`` equal shards.
+    """Lay a pytree out in balanced fusion buffers, each cut into ``num_shards`` equal shards.
+
+    Leaves are placed back to back in production ``order`` into buffers of
+    ``buffer_bytes`` bytes (a leaf may span two buffers); buffer ``b`` is cut into ``S``
+    equal shards and shard ``s`` of every buffer goes to server ``s``, so every server
+    receives the same bytes per buffer whatever the sizes of the variables. All leaves
+    are cast to one buffer dtype, the promotion of their dtypes (exact for floating
+    leaves of mixed widths); integer and floating leaves cannot be mixed.
 
     Args:
       params_or_shapes: the gradient pytree or its shapes.
@@ -197,8 +229,23 @@ def plan_fusion(
         first gradient the backward pass produces; see `gradient_order`. None: leaf order.
         All workers must pass the same order (`broadcast_order` makes it so).
 
-    All leaves are cast to one buffer dtype, the promotion of their dtypes (exact for
-    floating leaves of mixed widths); integer and floating leaves cannot be mixed.
+    Returns:
+      a `FusionPlan`, static and hashable; ``plan.fuse(tree)`` gives the buffers as
+      ``[num_shards, shard_sizes[b]]`` arrays and ``plan.unfuse(buffers)`` the tree.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import plan_fusion
+      >>> params = {"a": jnp.zeros(10), "b": jnp.zeros(2), "c": jnp.zeros(3)}
+      >>> plan = plan_fusion(params, buffer_bytes=32, num_shards=2)
+      >>> plan.buffer_sizes, plan.shard_bytes  # every server gets 16 bytes per buffer
+      ((8, 7), (16, 16))
+      >>> plan.buffer_leaves(0), plan.buffer_leaves(1)  # leaf 0 ("a") spans both
+      ((0,), (0, 1, 2))
+
+    References:
+      A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+      the Cloud", SC 2020, section III (balanced fusion buffers).
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
@@ -246,8 +293,20 @@ def plan_fusion(
 
 
 class AtomicPlacement(NamedTuple):
-    """Classic parameter-server sharding: ``server[i]`` holds leaf ``i`` whole;
-    ``server_bytes[s]`` is the bytes of the leaves server ``s`` holds (one worker's copy)."""
+    """Classic parameter-server sharding, each leaf whole on one server (`atomic_placement`).
+
+    Args:
+      server: per leaf (``jax.tree.leaves`` order), the server that holds it.
+      leaf_bytes: per leaf, its bytes.
+      server_bytes: per server, the bytes of the leaves it holds (one worker's copy).
+
+    Example:
+      >>> from shoal.comms import AtomicPlacement
+      >>> placement = AtomicPlacement(server=(0, 1, 0), leaf_bytes=(40, 8, 12),
+      ...                             server_bytes=(52, 8))
+      >>> max(placement.server_bytes) / min(placement.server_bytes)  # load imbalance
+      6.5
+    """
 
     server: tuple[int, ...]
     leaf_bytes: tuple[int, ...]
@@ -257,8 +316,31 @@ class AtomicPlacement(NamedTuple):
 def atomic_placement(
     params_or_shapes: Any, *, num_servers: int, order: Sequence[int] | None = None
 ) -> AtomicPlacement:
-    """The baseline Herring replaces: each variable placed whole on one server, round-robin
-    in production ``order`` (variable ``order[k]`` on server ``k mod num_servers``)."""
+    """Place each variable whole on one server, round-robin: the baseline Herring replaces.
+
+    Variable ``order[k]`` goes to server ``k mod num_servers``; a server's load is the
+    sum of its variables' bytes, so uneven variable sizes give uneven loads.
+
+    Args:
+      params_or_shapes: the gradient pytree or its shapes (`jax.ShapeDtypeStruct`).
+      num_servers: int ``>= 1``, the number of servers.
+      order: production order of the leaves (leaf indices, first produced first);
+        None: leaf order.
+
+    Returns:
+      an `AtomicPlacement` ``(server, leaf_bytes, server_bytes)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import atomic_placement
+      >>> params = {"a": jnp.zeros(10), "b": jnp.zeros(2), "c": jnp.zeros(3)}
+      >>> atomic_placement(params, num_servers=2)
+      AtomicPlacement(server=(0, 1, 0), leaf_bytes=(40, 8, 12), server_bytes=(52, 8))
+
+    References:
+      A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+      the Cloud", SC 2020, section III.
+    """
     if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
         raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
     _, shapes, dtypes = _shapes(params_or_shapes)
@@ -274,8 +356,7 @@ def atomic_placement(
 
 
 def gradient_order(fun, *args, argnums: int = 0) -> tuple[int, ...]:
-    """The order in which ``jax.grad(fun, argnums)(*args)`` produces the gradient leaves:
-    leaf indices (``jax.tree.leaves`` of ``args[argnums]``), first produced first.
+    """The order in which ``jax.grad(fun, argnums)(*args)`` produces the gradient leaves.
 
     The position of a gradient is that of the equation of the gradient's jaxpr that
     produces it, refined inside nested jaxprs (``jit``, ``custom_jvp``/``custom_vjp``,
@@ -284,8 +365,29 @@ def gradient_order(fun, *args, argnums: int = 0) -> tuple[int, ...]:
     gradients come first, the input embedding's last (a tied embedding is finished by
     the add of its two contributions). It is JAX's program order; XLA may schedule
     independent operations differently. Gradients no equation produces (constants,
-    e.g. zeros for an unused parameter) go last, in leaf order. ``args`` may be
-    `jax.ShapeDtypeStruct` s: nothing is computed.
+    e.g. zeros for an unused parameter) go last, in leaf order.
+
+    Args:
+      fun: the loss function, differentiated with ``jax.grad``.
+      *args: its arguments; arrays or `jax.ShapeDtypeStruct` s (nothing is computed).
+      argnums: the position of the parameters in ``args``.
+
+    Returns:
+      a tuple of leaf indices (``jax.tree.leaves`` of ``args[argnums]``), first
+      produced first.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import gradient_order
+      >>> def loss(p, x):
+      ...     return jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      >>> params = {"w1": jnp.zeros((2, 3)), "w2": jnp.zeros(3)}
+      >>> gradient_order(loss, params, jnp.ones(2))  # w2 (the last layer, leaf 1) first
+      (1, 0)
+
+    References:
+      A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+      the Cloud", SC 2020, section III (buffers in backward-pass order).
     """
     closed = jax.make_jaxpr(jax.grad(fun, argnums=argnums))(*args)
     n = len(jax.tree.leaves(args[argnums]))
@@ -324,9 +426,28 @@ def _inner_jaxpr(eqn):
 
 
 def broadcast_order(order: Sequence[int], collective: Any) -> tuple[int, ...]:
-    """Worker 0's ``order``, on every worker ("BFB without negotiation"). Host-side: call it
-    on every worker at the same point, outside ``jit``. On MPI this is one ``bcast`` on
-    the collective's communicator; simulated workers share this process and its order."""
+    """Worker 0's ``order``, on every worker ("BFB without negotiation").
+
+    Host-side: call it on every worker at the same point, outside ``jit``. On MPI this
+    is one ``bcast`` on the collective's communicator; simulated workers share this
+    process and its order, which is returned as is.
+
+    Args:
+      order: this worker's production order (leaf indices), e.g. from `gradient_order`.
+      collective: the workers (`shoal.comms.Collective`).
+
+    Returns:
+      worker 0's order as a tuple of ints.
+
+    Example:
+      >>> from shoal.comms import AxisCollective, broadcast_order
+      >>> broadcast_order([1, 0], AxisCollective("workers", 2))
+      (1, 0)
+
+    References:
+      A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+      the Cloud", SC 2020, section III.
+    """
     comm = getattr(collective, "comm", None)
     if comm is None:
         return tuple(int(i) for i in order)

@@ -34,8 +34,27 @@ _IDS = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class RecordingCollective:
-    """``size`` identical workers seen from worker 0, in group ``group`` ("world",
-    "intra" or "inter"); events go to the log ``log`` (from `new_log`)."""
+    """A stand-in `Collective` of ``size`` identical workers, seen from worker 0, that logs calls.
+
+    Every call returns what worker 0 would receive if all workers held worker 0's
+    values (a mean is the value itself, a sum ``size`` times it), and, when it executes,
+    logs an `Event` ``(kind, group, nbytes)``; a branch not taken logs nothing. Runs in
+    one process, without ``vmap`` or MPI. `record_events` drives it.
+
+    Args:
+      size: int ``>= 1``, the number of workers.
+      group: ``"world"``, ``"intra"`` or ``"inter"``, the group events are logged under.
+      log: the log id events go to (from ``shoal.comms.recording.new_log``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import RecordingCollective
+      >>> coll = RecordingCollective(4)
+      >>> print(coll.all_reduce(jnp.full(3, 2.0), op="sum"))  # 4 workers holding 2.0
+      [8. 8. 8.]
+      >>> coll.all_gather(jnp.ones(2)).shape
+      (4, 2)
+    """
 
     size: int
     group: str = "world"
@@ -124,13 +143,35 @@ def record_events(
     group_size: int | None = None,
     seed: int = 0,
 ) -> list[list]:
-    """The collectives of ``steps`` updates of ``make_tx(comms)`` on ``workers`` workers:
-    one list of `shoal.comms.costmodel.Event` per step. ``comms`` is a world
-    `RecordingCollective`, or its ``(intra, inter)`` split when ``group_size`` is given.
+    """The collectives that ``steps`` updates of ``make_tx(comms)`` on ``workers`` workers perform.
 
-    The steps run in one jitted scan; the gradients are seeded normal noise of scale 0.01
-    (what a transformation sends may depend on values only through its capacities, which
-    are static). The log's callbacks are ordered, so each step's events follow its marker.
+    ``comms`` is a world `RecordingCollective`, or its ``(intra, inter)`` split when
+    ``group_size`` is given. Only worker 0's steps run, in one jitted scan; the
+    gradients are seeded normal noise of scale 0.01 (what a transformation sends may
+    depend on values only through its capacities, which are static). Branches of
+    ``lax.cond`` not taken log nothing, so the result is the real per-step sequence.
+
+    Args:
+      make_tx: builds the transformation from its collective(s).
+      params: the parameter pytree.
+      workers: the number of workers simulated.
+      steps: the number of updates.
+      group_size: when given, ``make_tx`` receives ``(intra, inter)`` collectives for
+        groups of ``group_size`` consecutive workers.
+      seed: seed of the gradient noise.
+
+    Returns:
+      one list of `Event` per step (empty when ``steps <= 0``); feed a step to
+      `step_comm_time` or `project`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import record_events
+      >>> from shoal.optim import allreduce_gradients
+      >>> make_tx = lambda c: allreduce_gradients(collective=c, nonfinite=None)
+      >>> events = record_events(make_tx, {"w": jnp.zeros(1000)}, workers=8, steps=2)
+      >>> events[1]
+      [Event(kind='all_reduce', group='world', nbytes=4000)]
     """
     from shoal.comms.costmodel import Event
 

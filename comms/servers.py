@@ -38,7 +38,20 @@ _HALF = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 class ServerStats(NamedTuple):
-    """What one server did: buffers reduced, steps, bytes received from / sent to workers."""
+    """What one server did, as returned by `ParameterServers.serve`.
+
+    Args:
+      steps: steps served.
+      buffers: buffers reduced.
+      received: bytes received from the workers.
+      sent: bytes sent to the workers.
+
+    Example:
+      >>> from shoal.comms import ServerStats
+      >>> stats = ServerStats(steps=10, buffers=20, received=8000, sent=2000)
+      >>> stats.received // stats.buffers  # bytes received per buffer
+      400
+    """
 
     steps: int
     buffers: int
@@ -62,12 +75,35 @@ class Layout(NamedTuple):
 
 
 class ParameterServers:
-    """The last ``num_servers`` ranks of ``comm`` (default: a clone of ``MPI.COMM_WORLD``)
-    serve; the others are workers. Constructing it is collective over ``comm``.
+    """Dedicated parameter-server ranks (MPI only): the last ``num_servers`` ranks serve.
 
-    On worker ranks, `workers` is the `MPICollective` of the workers alone (world ranks
+    The other ranks are workers. Constructing it is collective over ``comm``. On worker
+    ranks, `workers` is the `MPICollective` of the workers alone (world ranks
     ``0..W-1``, same order); on server ranks it is None and the rank calls `serve`.
     Frozen and hashable (by communicator), so transformations can close over it.
+
+    Args:
+      num_servers: int in ``[1, comm.size - 1]``, the number of server ranks.
+      comm: an mpi4py communicator; None: a clone of ``MPI.COMM_WORLD``.
+
+    Example:
+      Four workers and two servers: ``mpiexec -n 6 python train.py`` with
+
+      >>> import optax
+      >>> from shoal.comms import ParameterServers
+      >>> from shoal.optim import bfb_allreduce
+      >>> ps = ParameterServers(num_servers=2)  # doctest: +SKIP
+      >>> if ps.is_server:  # doctest: +SKIP
+      ...     stats = ps.serve()  # until the workers shut the servers down
+      ... else:
+      ...     tx = optax.chain(bfb_allreduce(collective=ps.workers, servers=ps),
+      ...                      optax.sgd(0.1))
+      ...     ...  # train with tx, then:
+      ...     ps.shutdown()
+
+    References:
+      A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
+      the Cloud", SC 2020.
     """
 
     __slots__ = ("comm", "num_servers", "num_workers", "workers", "_rank")

@@ -36,6 +36,10 @@ _WORD = 1 << 32
 class ByteCount(NamedTuple):
     """A count of bytes, exact up to ``2**63 - 1``: ``hi * 2**32 + lo`` in two uint32 words.
 
+    ::
+
+        count = hi * 2**32 + lo,    0 <= lo < 2**32
+
     jax runs in 32-bit mode by default, where int64 silently becomes int32, and int32 ends
     at ``2**31 - 1`` bytes, less than one ring all-reduce of a 300M-parameter float32 model
     among 64 workers; so the count is split in two words and ``+`` carries from ``lo``
@@ -45,6 +49,16 @@ class ByteCount(NamedTuple):
     On the host, ``int(count)`` (one count) and ``count.numpy()`` or ``np.asarray(count)``
     (any shape, int64) give the exact value. Indexing indexes the counts, not the words:
     ``count[3]`` is worker 3's count (the words are ``count.hi``, ``count.lo``).
+
+    Args:
+      hi: uint32 array, the high word (multiples of ``2**32``).
+      lo: uint32 array of the same shape, the low word.
+
+    Example:
+      >>> from shoal.comms import ByteCount
+      >>> count = ByteCount.of(2**32 - 1) + ByteCount.of(5)  # the carry reaches hi
+      >>> int(count.hi), int(count.lo), int(count)
+      (1, 4, 4294967300)
     """
 
     hi: jax.Array
@@ -95,7 +109,20 @@ class ByteCount(NamedTuple):
 
 
 class WireCount(NamedTuple):
-    """Bytes this worker sent and received over some span (one update, or since ``init``)."""
+    """Bytes this worker sent and received over some span (one update, or since ``init``).
+
+    ``+`` adds two counts field by field (not tuple concatenation).
+
+    Args:
+      sent: `ByteCount`, bytes this worker put on the wire.
+      received: `ByteCount`, bytes this worker took off the wire.
+
+    Example:
+      >>> from shoal.comms import WireCount
+      >>> count = WireCount.of(sent=100, received=60) + WireCount.of(sent=20, received=20)
+      >>> int(count.sent), int(count.received)
+      (120, 80)
+    """
 
     sent: ByteCount
     received: ByteCount
@@ -114,8 +141,21 @@ class WireCount(NamedTuple):
 
 
 class WireMeter(NamedTuple):
-    """The wire counter in a transformation's state: what its most recent update moved
-    (``step``) and what all its updates since ``init`` moved (``total``)."""
+    """The wire counter in a transformation's state: last update's bytes and the running total.
+
+    ``record(count)`` after an update sets ``step = count`` and ``total += count``;
+    ``idle()`` records an update that moved nothing; ``add(count)`` adds to both.
+
+    Args:
+      step: `WireCount` of the most recent update.
+      total: `WireCount` of all updates since ``init``.
+
+    Example:
+      >>> from shoal.comms import WireCount, WireMeter
+      >>> meter = WireMeter.zero().record(WireCount.of(8, 8)).record(WireCount.of(4, 2))
+      >>> int(meter.step.sent), int(meter.total.sent), int(meter.total.received)
+      (4, 12, 10)
+    """
 
     step: WireCount
     total: WireCount
@@ -147,15 +187,33 @@ def _meters(tree: Any) -> list[WireMeter]:
 
 
 def wire_bytes(opt_state: Any, which: Literal["total", "step"]) -> WireCount:
-    """Bytes this worker sent and received, summed over every `WireMeter` in
-    ``opt_state`` (any nesting of optax states):
-
-    * ``which="total"``: since ``init``, all updates together (what a run moved);
-    * ``which="step"``: in the most recent update only.
+    """Bytes this worker sent and received, summed over every `WireMeter` in an optimizer state.
 
     Traceable (``jit``, ``vmap``: under ``vmap`` over workers the result has a leading
     worker axis). On the host, ``int(count.sent)`` or ``np.asarray(count.sent)`` (int64)
     are exact.
+
+    Args:
+      opt_state: an optimizer state, any nesting of optax states.
+      which: ``"total"``, since ``init``, all updates together (what a run moved), or
+        ``"step"``, the most recent update only.
+
+    Returns:
+      a `WireCount` ``(sent, received)``; zero when ``opt_state`` holds no meter.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, wire_bytes
+      >>> from shoal.optim import allreduce_gradients
+      >>> tx = allreduce_gradients(collective=AxisCollective("workers", 2), nonfinite=None)
+      >>> def bytes_sent(g):
+      ...     state = tx.init(g)
+      ...     for _ in range(3):
+      ...         _, state = tx.update(g, state)
+      ...     return wire_bytes(state, "total").sent
+      >>> sent = jax.vmap(bytes_sent, axis_name="workers")(jnp.ones((2, 1000)))
+      >>> sent.numpy()  # 3 ring all-reduces of 4000 bytes: 3 * 2 (P-1)/P * 4000
+      array([12000, 12000])
     """
     if which not in ("total", "step"):
         raise ValueError(f"which must be 'total' or 'step', got {which!r}")
@@ -166,7 +224,20 @@ def wire_bytes(opt_state: Any, which: Literal["total", "step"]) -> WireCount:
 
 
 def tree_nbytes(tree: Any) -> int:
-    """Total bytes of the array leaves of ``tree`` (static shapes and dtypes)."""
+    """Total bytes of the array leaves of ``tree`` (static shapes and dtypes).
+
+    Args:
+      tree: a pytree of arrays or `jax.ShapeDtypeStruct` leaves.
+
+    Returns:
+      a Python int, ``sum(leaf.size * leaf.dtype.itemsize)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.comms import tree_nbytes
+      >>> tree_nbytes({"w": jnp.zeros((3, 4)), "b": jnp.zeros(4, jnp.bfloat16)})
+      56
+    """
     return int(
         sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
     )

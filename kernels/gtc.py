@@ -107,6 +107,22 @@ def gtc_pack(
       carry ``-tau``), then zeros; ``count`` int32 is the number sent; ``remainder``
       float32[n] is ``v - tau`` / ``v + tau`` at the sent positives / negatives and
       bit-identical to ``values`` (NaN and -0.0 included) everywhere else.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.kernels import gtc_pack
+      >>> values = jnp.array([0.5, -2.0, 0.1, 3.0, -0.2, -1.5])
+      >>> words, count, remainder = gtc_pack(values, 1.0, capacity=4)
+      >>> print(words & 0x7FFFFFFF, words < 0, count)  # indices 1, 3, 5; 1 and 5 negative
+      [1 3 5 0] [ True False  True False] 3
+      >>> print(remainder)
+      [ 0.5 -1.   0.1  2.  -0.2 -0.5]
+
+    References:
+      N. Strom, "Scalable distributed DNN training using commodity GPU cloud
+      computing", Interspeech 2015.
+      P. Ladkat et al., "Two Tiered Distributed Training Algorithm for Acoustic
+      Modeling", section 2.1.
     """
     use_pallas = dispatch.use_pallas(impl)
     values = dispatch.typed_array(values, jnp.float32, "values")
@@ -182,6 +198,22 @@ def gtc_unpack(
       tau: float32 scalar, may be traced.
       size: static int in ``[1, 2**31 - 1]``, the length of the dense output.
       impl: as for :func:`gtc_pack`.
+
+    Returns:
+      float32[size], ``tau * (#plus - #minus)`` per element over all buffers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.kernels import gtc_unpack
+      >>> minus = -(2**31)  # the sign bit: the word carries -tau
+      >>> words = jnp.array([[1 | minus, 3, 0], [3, 4 | minus, 0]], jnp.int32)
+      >>> count = jnp.array([2, 2], jnp.int32)  # two buffers, e.g. two workers
+      >>> print(gtc_unpack(words, count, 0.5, size=6))
+      [ 0.  -0.5  0.   1.  -0.5  0. ]
+
+    References:
+      N. Strom, "Scalable distributed DNN training using commodity GPU cloud
+      computing", Interspeech 2015.
     """
     use_pallas = dispatch.use_pallas(impl)
     words = dispatch.typed_array(words, jnp.int32, "words")

@@ -44,14 +44,35 @@ __all__ = ["sign_pack", "sign_unpack"]
 def sign_pack(values: jax.Array, *, impl: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Signs of ``values`` packed 8 per byte, and the RMS scale of each buffer.
 
+    For a buffer ``v`` of ``n`` values::
+
+        scale = sqrt(sum(v * v) / n)
+        bit j of byte k = 1  iff  not v[8 k + j] >= 0   (least significant bit first)
+
+    so ``+-0.0`` read as +1 and NaN as -1; padding bits of a last partial byte are 0
+    (``numpy.packbits(~(v >= 0), bitorder="little")``).
+
     Args:
       values: float32[..., n] with ``n >= 1``; leading dimensions are independent buffers.
       impl: ``None`` (Pallas on GPU, jnp reference elsewhere), ``"reference"`` or
         ``"pallas"`` (interpreted when the backend is not a GPU).
 
     Returns:
-      ``(bits, scale)``: uint8[..., ceil(n / 8)] in the layout of the module docstring,
-      and float32[...] ``sqrt(sum(v * v) / n)`` over the last axis.
+      ``(bits, scale)``: uint8[..., ceil(n / 8)] in that bit layout, and float32[...]
+      ``sqrt(sum(v * v) / n)`` over the last axis.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.kernels import sign_pack
+      >>> bits, scale = sign_pack(jnp.array([2.0, -2.0, 2.0, 2.0, -2.0]))
+      >>> print(bits, scale)  # elements 1 and 4 are negative: 0b10010
+      [18] 2.0
+
+    References:
+      F. Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
+      Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
+      H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+      Adam's Convergence Speed", ICML 2021.
     """
     use_pallas = dispatch.use_pallas(impl)
     values = dispatch.typed_array(values, jnp.float32, "values")
@@ -76,7 +97,10 @@ def _pallas_pack(values):
 def sign_unpack(
     bits: jax.Array, scale: jax.Array | float, size: int, *, impl: str | None = None
 ) -> jax.Array:
-    """``scale * sign`` decoded from packed sign bits.
+    """``scale * sign`` decoded from packed sign bits, the inverse of `sign_pack`.
+
+    Element ``8 k + j`` is ``-scale`` if bit ``j`` (least significant first) of byte
+    ``k`` is set, else ``+scale``.
 
     Args:
       bits: uint8[..., nbytes] as produced by :func:`sign_pack`.
@@ -88,6 +112,16 @@ def sign_unpack(
 
     Returns:
       float32[..., size], each element exactly ``+scale`` or ``-scale``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.kernels import sign_unpack
+      >>> print(sign_unpack(jnp.array([0b10010], jnp.uint8), 2.0, size=5))
+      [ 2. -2.  2.  2. -2.]
+
+    References:
+      H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+      Adam's Convergence Speed", ICML 2021.
     """
     use_pallas = dispatch.use_pallas(impl)
     bits = dispatch.typed_array(bits, jnp.uint8, "bits")

@@ -7,6 +7,8 @@ import inspect
 
 import pytest
 
+import shoal.comms as comms
+import shoal.kernels as kernels
 import shoal.optim as optim
 from shoal.comms.axis import AxisCollective
 
@@ -62,3 +64,64 @@ def test_axis_collective_docstrings(name):
     takes_args = len(inspect.signature(method).parameters) > 1  # beyond self
     if takes_args:
         assert "Args:" in sections, f"AxisCollective.{name} has no Args section"
+
+
+# shoal.comms and shoal.kernels: every public function and class (constants excluded).
+PUBLIC = sorted(
+    (module.__name__, name)
+    for module in (comms, kernels)
+    for name in module.__all__
+    if inspect.isfunction(getattr(module, name)) or inspect.isclass(getattr(module, name))
+)
+# Only usable under mpiexec: their Example is shown but skipped by doctest.
+MPI_ONLY = {"MPICollective", "ParameterServers"}
+
+
+def _public(module_name: str, name: str):
+    return getattr(comms if module_name == comms.__name__ else kernels, name)
+
+
+def _takes_args(obj) -> bool:
+    try:
+        parameters = inspect.signature(obj).parameters.values()
+    except ValueError:
+        return False
+    named = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return any(p.kind not in named and p.name != "self" for p in parameters)
+
+
+@pytest.mark.parametrize(("module_name", "name"), PUBLIC)
+def test_comms_kernels_docstring_sections(module_name, name):
+    obj = _public(module_name, name)
+    doc = inspect.getdoc(obj)
+    assert doc, f"{name} has no docstring"
+    lines = doc.splitlines()
+    one_line = lines[0].strip() and (len(lines) == 1 or not lines[1].strip())
+    assert one_line, f"{name}: the docstring must open with a one-line summary"
+    sections = _sections(doc)
+    required = ["Example:"]
+    if _takes_args(obj):
+        required.append("Args:")
+    if inspect.isfunction(obj):
+        required.append("Returns:")
+    for section in required:
+        assert section in sections, f"{name}'s docstring has no {section} section"
+    assert ">>>" in doc, f"{name}'s Example has no doctest"
+    if name in MPI_ONLY:
+        assert "+SKIP" in doc, f"{name}'s MPI example must be marked doctest: +SKIP"
+    for pointer in ("above", "module docstring"):
+        assert pointer not in doc, f"{name}'s docstring points to text it does not contain"
+
+
+@pytest.mark.parametrize(("module_name", "name"), PUBLIC)
+def test_comms_kernels_docstring_example_runs(module_name, name):
+    obj = _public(module_name, name)
+    tests = doctest.DocTestFinder(recurse=False).find(obj, name, globs={})
+    assert tests and tests[0].examples, f"{name} has no doctest examples"
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{name}: {result.failed} doctest example(s) failed"
+    if name not in MPI_ONLY:
+        assert result.attempted > 0
