@@ -20,6 +20,12 @@ from shoal.comms.fusion import (
 )
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
+from shoal.comms.quantized import (
+    quantized_allreduce,
+    quantized_allreduce_bytes,
+    quantized_allreduce_init,
+    quantized_allreduce_padded_size,
+)
 from shoal.comms.recording import RecordingCollective, record_events
 from shoal.comms.servers import ParameterServers, ServerStats
 from shoal.comms.wire import ByteCount, WireCount, WireMeter, tree_nbytes, wire_bytes
@@ -50,6 +56,10 @@ __all__ = [
     "gradient_order",
     "plan_fusion",
     "project",
+    "quantized_allreduce",
+    "quantized_allreduce_bytes",
+    "quantized_allreduce_init",
+    "quantized_allreduce_padded_size",
     "record_events",
     "step_comm_time",
     "tree_nbytes",

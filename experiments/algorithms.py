@@ -48,6 +48,7 @@ from shoal.optim import (
     bfb_allreduce,
     bmuf,
     bmuf_gtc,
+    diloco,
     gradient_noise_scale,
     gtc,
     onebit_lamb,
@@ -312,6 +313,40 @@ def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransform
         nesterov=cfg.nesterov,
         nbm=cfg.nbm,
         reset_inner_state=cfg.reset_inner_state,
+        nonfinite=None,
+    )
+
+
+_DILOCO = ("diloco_sync_every", "diloco_outer_lr", "diloco_outer_momentum", "diloco_inner",
+           "diloco_inner_lr", "weight_decay")  # fmt: skip
+
+
+def _check_diloco(cfg: Config) -> None:
+    # The runner evaluates the workers' models: make the last step an outer step, after
+    # which every worker holds the global model.
+    if cfg.steps % cfg.diloco_sync_every:
+        raise ConfigError(
+            f"steps = {cfg.steps} must be a multiple of diloco_sync_every = "
+            f"{cfg.diloco_sync_every}, so that the last step is an outer step"
+        )
+
+
+@register("diloco", check=_check_diloco, fields=_DILOCO)
+def diloco_(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """DiLoCo (`shoal.optim.diloco`): the inner optimizer (``diloco_inner``: AdamW with
+    ``diloco_inner_lr`` and ``weight_decay``, or `local_sgd`) on every worker, and every
+    ``diloco_sync_every`` steps the outer Nesterov SGD step (``diloco_outer_lr``,
+    ``diloco_outer_momentum``) on the average of the workers' progress."""
+    if cfg.diloco_inner == "adamw":
+        inner = optax.adamw(cfg.diloco_inner_lr, weight_decay=cfg.weight_decay)
+    else:
+        inner = local_sgd(cfg)
+    outer = optax.sgd(cfg.diloco_outer_lr, momentum=cfg.diloco_outer_momentum, nesterov=True)
+    return diloco(
+        inner,
+        collective=collective,
+        sync_every=cfg.diloco_sync_every,
+        outer=outer,
         nonfinite=None,
     )
 

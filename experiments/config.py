@@ -120,6 +120,18 @@ class Config:
     # BMUF_GTC: workers per group P (consecutive workers; must divide workers).
     group_size: int = 2
 
+    # DiLoCo (`shoal.optim.diloco`): updates per round (the outer step runs every
+    # diloco_sync_every updates; steps must be a multiple of it, so that the last step is
+    # an outer step), the outer Nesterov SGD's learning rate and momentum (the paper's 0.7
+    # and 0.9), and the inner optimizer: "adamw" (the paper's; learning rate
+    # diloco_inner_lr, decoupled weight decay weight_decay) or "sgd" (the local optimizer
+    # of the other algorithms: learning_rate, momentum). Its state is never reset.
+    diloco_sync_every: int = 10
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    diloco_inner: Literal["adamw", "sgd"] = "adamw"
+    diloco_inner_lr: float = 1e-3
+
     # Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`): bytes per buffer
     # (0: automatic). Dedicated server ranks come from `shoal-run --servers S`.
     bfb_buffer_bytes: int = 0
@@ -246,6 +258,11 @@ class Config:
             "None (eq. 5) or a float in [0, 1)",
         )
         _check(self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
+        _check(self.diloco_sync_every >= 1, "diloco_sync_every", "an int >= 1")
+        _check(0 < self.diloco_outer_lr < float("inf"), "diloco_outer_lr", "a finite float > 0")
+        _check(0 <= self.diloco_outer_momentum < 1, "diloco_outer_momentum", "a float in [0, 1)")
+        _check(self.diloco_inner in ("adamw", "sgd"), "diloco_inner", '"adamw" or "sgd"')
+        _check(self.diloco_inner_lr > 0, "diloco_inner_lr", "a float > 0")
         _check(
             self.workers * self.batch_size <= self.train_size,
             "batch_size",

@@ -20,6 +20,7 @@ from shoal.experiments import algorithms, checkpoint, policies, projection
 from shoal.experiments.checkpoint import Checkpointer
 from shoal.experiments.config import Config, ConfigError
 from shoal.optim.bmuf import BMUFState
+from shoal.optim.diloco import DiLoCoState
 from shoal.optim.gtc import sent_fraction
 from shoal.optim.noise_scale import noise_scale
 from shoal.optim.nonfinite import NonFiniteGradientError, skipped_steps
@@ -116,18 +117,21 @@ def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_ch
 
 
 def evaluated_params(params: Any, opt_state: Any) -> Any:
-    """The model to test: ``params``, or, when ``opt_state`` holds a `BMUFState`, the global
-    model of the latest BMUF step (``W_g``; the filtered model ``W`` with
-    ``nbm="chen_huo"``), which is what BMUF delivers: mid-block, the workers' models are
-    local, unsynchronised ones."""
+    """The model to test: ``params``, or, when ``opt_state`` holds a `BMUFState` or a
+    `DiLoCoState`, the global model of the latest outer step (``W_g``; BMUF's filtered model
+    ``W`` with ``nbm="chen_huo"``), which is what these methods deliver: mid-block (mid-round),
+    the workers' models are local, unsynchronised ones."""
+    kinds = (BMUFState, DiLoCoState)
     states = [
         s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, BMUFState))
-        if isinstance(s, BMUFState)
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+        if isinstance(s, kinds)
     ]
     if not states:
         return params
     state = states[0]
+    if isinstance(state, DiLoCoState):
+        return state.global_params
     return state.global_params if state.filtered is None else state.filtered
 
 

@@ -4,6 +4,7 @@ from shoal.optim.allreduce import AllReduceState, allreduce_gradients
 from shoal.optim.bfb import BFBState, bfb_allreduce
 from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
+from shoal.optim.diloco import DiLoCoState, diloco
 from shoal.optim.gtc import GTCState, gtc
 from shoal.optim.noise_scale import NoiseScaleState, gradient_noise_scale, noise_scale
 from shoal.optim.nonfinite import (
@@ -21,6 +22,7 @@ __all__ = [
     "AllReduceState",
     "BFBState",
     "BMUFState",
+    "DiLoCoState",
     "GTCState",
     "NONFINITE_POLICIES",
     "NonFiniteGradientError",
@@ -35,6 +37,7 @@ __all__ = [
     "bfb_allreduce",
     "bmuf",
     "bmuf_gtc",
+    "diloco",
     "gradient_noise_scale",
     "gtc",
     "noise_scale",

@@ -23,6 +23,9 @@ BUILDERS = {
     "allreduce_gradients": lambda c: optim.allreduce_gradients(collective=c),
     "bfb_allreduce": lambda c: optim.bfb_allreduce(collective=c, buffer_bytes=8),
     "bmuf": lambda c: optim.bmuf(optax.sgd(0.1), collective=c, block_size=2),
+    "diloco": lambda c: optim.diloco(
+        optax.adamw(1e-3), collective=c, sync_every=2, outer=optax.sgd(0.7, momentum=0.9)
+    ),
     "gradient_noise_scale": lambda c: optim.gradient_noise_scale(collective=c, local_batch_size=4),
     "gtc": lambda c: optim.gtc(0.1, collective=c, capacity=2),
     "onebit_adam": lambda c: optim.onebit_adam(1e-2, collective=c, freeze_step=1),
@@ -40,6 +43,7 @@ STATE_TYPES = {
     "bfb_allreduce": optim.BFBState,
     "bmuf": optim.BMUFState,
     "bmuf_gtc": optim.BMUFState,
+    "diloco": optim.DiLoCoState,
     "gradient_noise_scale": optim.NoiseScaleState,
     "gtc": optim.GTCState,
     "onebit_adam": optim.OneBitAdamState,

@@ -22,6 +22,7 @@ from shoal.optim import (
     bfb_allreduce,
     bmuf,
     bmuf_gtc,
+    diloco,
     gradient_noise_scale,
     gtc,
     onebit_adam,
@@ -71,6 +72,9 @@ CASES = {
         optax.sgd(LR, momentum=0.9), collective=c, strategy="random", staleness=1, nonfinite=nf
     ),
     "sma": lambda c, nf: sma(optax.sgd(LR, momentum=0.9), collective=c, nonfinite=nf),
+    "diloco": lambda c, nf: diloco(
+        optax.sgd(LR, momentum=0.9), collective=c, sync_every=2, outer=optax.sgd(0.7), nonfinite=nf
+    ),
     # A whole chain skips as one: Adam's moments and count do not move either.
     "skip_nonfinite(chain)": lambda c, nf: skip_nonfinite(
         optax.chain(allreduce_gradients(collective=c, nonfinite=None), optax.adam(LR)),

@@ -12,6 +12,7 @@ from shoal.optim import (
     allreduce_gradients,
     bfb_allreduce,
     bmuf,
+    diloco,
     gradient_noise_scale,
     gtc,
     onebit_adam,
@@ -62,6 +63,12 @@ UNDER_TEST = {
         False,
     ),
     "sma": (lambda **kw: sma(optax.sgd(LR), **kw), {"alpha": 0.5}, (), False),
+    "diloco": (
+        lambda **kw: diloco(optax.sgd(LR), outer=optax.sgd(0.7, momentum=0.9, nesterov=True), **kw),
+        {"sync_every": 4},
+        (),
+        False,
+    ),
 }
 
 
@@ -123,6 +130,11 @@ INJECTABLE = {
         ("strategy", "staleness", "seed"),
     ),
     "sma": (sma, {"inner": optax.sgd(LR), "alpha": 0.5}, ()),
+    "diloco": (
+        diloco,
+        {"inner": optax.sgd(LR), "outer": optax.sgd(1.0), "sync_every": 1},
+        ("sync_every",),
+    ),  # fmt: skip
 }
 
 

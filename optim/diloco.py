@@ -1,0 +1,240 @@
+"""DiLoCo: local inner steps on every worker, an outer optimizer step every few updates.
+
+Every worker applies an inner optimizer to its own gradient; every ``sync_every``-th
+update the workers average how far they moved from the global model ``theta_g`` (one
+all-reduce) and an outer optimizer steps ``theta_g`` with that average as its gradient::
+
+    delta   = theta_g - (1/N) sum_i theta_i
+    u, s    = outer.update(delta, s, theta_g)
+    theta_g = theta_g + u
+
+after which every worker continues from ``theta_g``.
+
+References:
+  Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+  Models", arXiv:2311.08105, 2023.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shoal.comms.agreement import check_same_structure
+from shoal.comms.collective import Collective, uniform_over
+from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.optim.inplace import run_if
+from shoal.optim.nonfinite import check_nonfinite, guard
+from shoal.optim.validation import (
+    check_collective,
+    check_floating_leaves,
+    checked,
+    require_params,
+)
+
+
+class DiLoCoState(NamedTuple):
+    """State of `diloco`.
+
+    Attributes:
+      inner_state: the inner optimizer's state on this worker; it persists across rounds
+        (never reset at a synchronisation).
+      outer_state: the outer optimizer's state (the same on every worker).
+      global_params: ``theta_g``, the global model of the most recent outer step (the
+        ``params`` given to ``init`` before the first); exact, where the worker's params
+        equal it up to one rounding.
+      step: int32 count of updates done (skipped steps excluded).
+      rounds: int32 count of outer steps done.
+      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`);
+        they advance neither ``step`` nor the round.
+      wire: bytes of this transformation's own collectives in the most recent update and
+        since init.
+    """
+
+    inner_state: Any
+    outer_state: Any
+    global_params: Any
+    step: jax.Array
+    rounds: jax.Array
+    skipped: jax.Array
+    wire: WireMeter
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    *,
+    collective: Collective,
+    sync_every: int,
+    outer: optax.GradientTransformation,
+    nonfinite: str | None = "skip",
+) -> optax.GradientTransformationExtraArgs:
+    """DiLoCo: per-worker inner optimizer steps, an outer optimizer step every ``sync_every``.
+
+    Each worker ``i`` applies ``inner`` to its own gradient at every update. On every
+    ``sync_every``-th update it first takes that inner step, reaching ``theta_i``, then
+    all ``N`` workers run the outer step on the global model ``theta_g``::
+
+        delta            = theta_g - (1/N) sum_i theta_i       (the outer gradient)
+        u, outer_state   = outer.update(delta, outer_state, theta_g)
+        theta_g         <- theta_g + u
+
+    and every worker's model becomes the new ``theta_g``. ``outer =
+    optax.sgd(0.7, momentum=0.9, nesterov=True)`` with ``inner = optax.adamw(...)`` is
+    DiLoCo; ``outer = optax.sgd(1.0)`` is periodic model averaging (local SGD,
+    post-local SGD after a synchronous warm-up); any optax transformation, e.g.
+    ``optax.adam``, may serve as ``outer``. The inner state is this worker's own and
+    persists across rounds: it is never reset.
+
+    ``update(grads, state, params)`` needs ``params`` (this worker's model) and returns
+    updates such that ``optax.apply_updates(params, updates)`` is this worker's next
+    model: its inner step ``inner_update`` on the other updates, and ``theta_g - params``
+    on a synchronisation update, which lands every worker on ``theta_g`` up to one
+    rounding of ``params + (theta_g - params)`` (``state.global_params`` holds
+    ``theta_g`` exactly; evaluate it). Only synchronisation updates communicate: one
+    all-reduce (mean) of the param-sized ``theta_g - theta_i``, inside a branch on the
+    rank-uniform step counter, ``2 (N - 1) / N`` times the param bytes each way in
+    ``state.wire.step`` (0 on the other updates).
+
+    With constant hyper-parameters this is `shoal.optim.bmuf` with ``nesterov=True,
+    nbm="chen_huo", reset_inner_state=False``, ``block_size = sync_every`` and
+    ``outer = optax.sgd(block_lr, momentum=block_momentum, nesterov=True)``.
+
+    Start: ``theta_g`` is the ``params`` given to ``init``, so every worker must init from
+    the same model, e.g. ``params = collective.broadcast(params, 0)`` first.
+
+    Args:
+      inner: the per-worker optimizer, any optax transformation (e.g. ``optax.adamw``),
+        applied every update to this worker's gradient.
+      collective: the workers whose models are averaged (`shoal.comms.Collective`).
+      sync_every: updates per round, an int >= 1: the outer step runs on updates
+        ``sync_every``, ``2 sync_every``, ...
+      outer: the outer optimizer, any optax transformation, applied to ``delta`` with
+        ``theta_g`` as its params.
+      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`). The flag is
+        all-reduced every update, so inner steps are no longer free of communication
+        (4 bytes; None restores them).
+
+    Returns:
+      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
+      `DiLoCoState` and whose ``update(updates, state, params)`` returns ``(updates,
+      new_state)``; ``optax.apply_updates(params, updates)`` is this worker's next model.
+
+    Example:
+      Two workers take two inner SGD steps towards different targets, to 0.75 and 2.25;
+      the outer Nesterov step on ``delta = 0 - 1.5`` moves both to ``theta_g = 0.7 *
+      (1.5 + 0.9 * 1.5)``:
+
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from shoal.comms import AxisCollective
+      >>> from shoal.optim import diloco
+      >>> coll = AxisCollective("workers", 2)
+      >>> outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+      >>> tx = diloco(optax.sgd(0.5), collective=coll, sync_every=2, outer=outer)
+      >>> def train(params, target):
+      ...     state = tx.init(params)
+      ...     for _ in range(2):  # one round: two inner steps, then the outer step
+      ...         grads = params - target  # gradient of 0.5 |params - target|^2
+      ...         updates, state = tx.update(grads, state, params)
+      ...         params = optax.apply_updates(params, updates)
+      ...     return state.global_params
+      >>> start = jnp.zeros((2, 1))  # both workers start from the same model
+      >>> theta_g = jax.vmap(train, axis_name="workers")(start, jnp.array([[1.0], [3.0]]))
+      >>> print(theta_g.round(4))
+      [[1.995]
+       [1.995]]
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+      Models", arXiv:2311.08105, 2023.
+    """
+    check_collective(collective)
+    check_nonfinite(nonfinite)
+    _check_transformation("inner", inner)
+    _check_transformation("outer", outer)
+    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)):
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    sync_every = int(sync_every)
+    inner = optax.with_extra_args_support(inner)
+    n_workers = collective.size
+
+    def init_fn(params):
+        check_same_structure(params, collective)
+        check_floating_leaves("params", params)
+        return DiLoCoState(
+            inner_state=inner.init(params),
+            outer_state=outer.init(params),
+            global_params=jax.tree.map(jnp.array, params),
+            step=jnp.zeros((), jnp.int32),
+            rounds=jnp.zeros((), jnp.int32),
+            skipped=jnp.zeros((), jnp.int32),
+            wire=WireMeter.zero(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        require_params("diloco", params)
+        # Branch on the step counter, the same on every worker: an inner-only update then
+        # costs an inner step under vmap too, not a select over the outer step.
+        step = uniform_over(collective, state.step)
+        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+
+        def outer_step(carry):
+            _, outer_state, theta_g, rounds, _ = carry
+            local = optax.apply_updates(params, inner_updates)
+            # All-reduce the workers' distances from theta_g, not their models: the same
+            # bytes, and a mean of small differences loses less precision.
+            delta = collective.all_reduce(jax.tree.map(jnp.subtract, theta_g, local), "mean")
+            delta = _cast_like(delta, theta_g)
+            u, new_outer = outer.update(delta, outer_state, theta_g)
+            theta_g = optax.apply_updates(theta_g, u)
+            restart = jax.tree.map(
+                lambda g, p, o: (g - p).astype(o.dtype), theta_g, params, inner_updates
+            )
+            wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), n_workers))
+            return restart, _cast_like(new_outer, outer_state), theta_g, rounds + 1, wire
+
+        is_sync = (step + 1) % sync_every == 0
+        carry = (
+            inner_updates,
+            state.outer_state,
+            state.global_params,
+            state.rounds,
+            WireCount.zero(),
+        )
+        out, outer_state, theta_g, rounds, wire = run_if(is_sync, outer_step, carry)
+        new_state = DiLoCoState(
+            inner_state=inner_state,
+            outer_state=outer_state,
+            global_params=theta_g,
+            step=state.step + 1,
+            rounds=rounds,
+            skipped=state.skipped,
+            wire=state.wire.record(wire),
+        )
+        return out, new_state
+
+    guarded = guard(update_fn, nonfinite, collective, needs_params="diloco")
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked("diloco", DiLoCoState, guarded, lambda s: s.global_params)
+    )
+
+
+def _check_transformation(name: str, value: Any) -> None:
+    if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+        return  # an optax.GradientTransformation, or anything shaped like one
+    hint = ""
+    if callable(value) and not hasattr(value, "init"):
+        hint = " (a factory such as optax.adamw must be called: optax.adamw(1e-3))"
+    raise ValueError(
+        f"{name} must be an optax.GradientTransformation, got {type(value).__name__}{hint}"
+    )
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    # A branch must return its carry's dtypes exactly (weak types included).
+    return jax.tree.map(lambda x, ref: jnp.asarray(x).astype(jnp.result_type(ref)), tree, like)
