@@ -10,6 +10,9 @@ export PATH := $(BIN):$(PATH)
 # Keep XLA on the CPU and quiet on CI machines that have CUDA tooling but no GPU.
 export JAX_PLATFORMS ?= cpu
 MPI_RANKS ?= 4
+# pytest-xdist processes for the in-process tests and the notebooks (a file stays on one
+# process, so module fixtures that start jobs are not run twice).
+TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
 .PHONY: run test test-sim test-nb test-mpi bench study lint clean venv
@@ -29,11 +32,11 @@ run: $(STAMP)
 test: test-sim test-nb test-mpi
 
 test-sim: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
 
 # The notebooks, executed top to bottom at a reduced size.
 test-nb: $(STAMP)
-	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider --nbmake notebooks
+	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks
 
 # Rank-agnostic tests again, one worker per MPI rank; the timeout turns a deadlock into a failure.
 test-mpi: $(STAMP)
