@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,6 +93,24 @@ def mpiexec() -> str | None:
     """The venv's mpiexec (next to this python), else the one on PATH, else None."""
     venv = Path(sys.executable).parent / "mpiexec"
     return str(venv) if venv.exists() else shutil.which("mpiexec")
+
+
+def mpiexec_per_rank(
+    n: int, args: list[str], out: Path, **kw
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``mpiexec -n n *args`` and return the process and each rank's stdout.
+
+    mpiexec forwards the ranks' stdout unsynchronised: two ranks printing at once can
+    arrive interleaved within a line ('1110' for '10' and '11'). Hydra's
+    ``-outfile-pattern`` writes each rank's stdout to its own file instead, read back here
+    (``out`` is a folder for them). ``kw`` goes to ``subprocess.run``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [mpiexec(), "-outfile-pattern", str(out / "stdout.%r"), "-n", str(n), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    ranks = [(out / f"stdout.{r}") for r in range(n)]
+    return proc, [p.read_text() if p.exists() else "" for p in ranks]
 
 
 def read_jsonl(path: Path) -> list[dict]:

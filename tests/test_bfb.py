@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from harness import UNDER_MPI, mpiexec, my_ranks, n_workers, run_workers, world
+from harness import UNDER_MPI, mpiexec, mpiexec_per_rank, my_ranks, n_workers, run_workers, world
 
 from shoal.comms import (
     AxisCollective,
@@ -242,17 +242,18 @@ JOB = Path(__file__).parent / "jobs" / "bfb_servers.py"
 
 
 @pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec job")
-def test_dedicated_servers():
+def test_dedicated_servers(tmp_path):
     """4 workers + 2 servers: flat and hierarchical means (float32 and bfloat16), wire
     bytes per worker and per server, errors for layouts inconsistent with the
     communicator, a clean shutdown (the job checks everything and exits 0)."""
     if mpiexec() is None:
         pytest.skip("mpiexec not found")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [mpiexec(), "-n", "6", sys.executable, str(JOB), "check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("server ok") == 2 and proc.stdout.count("worker ok") == 4
+    args = [sys.executable, str(JOB), "check"]
+    proc, stdout = mpiexec_per_rank(6, args, tmp_path, timeout=300, env=env)
+    assert proc.returncode == 0, "".join(stdout)[-3000:] + proc.stderr[-3000:]
+    said = "".join(stdout)
+    assert said.count("server ok") == 2 and said.count("worker ok") == 4
 
 
 @pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec job")

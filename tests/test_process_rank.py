@@ -3,11 +3,10 @@
 suite itself runs under mpiexec."""
 
 import os
-import subprocess
 import sys
 
 import pytest
-from harness import UNDER_MPI, mpiexec, world
+from harness import UNDER_MPI, mpiexec, mpiexec_per_rank, world
 
 pytestmark = pytest.mark.mpi
 
@@ -28,7 +27,7 @@ def check(coll, expect):
 """
 
 
-def test_process_rank_is_the_host_rank():
+def test_process_rank_is_the_host_rank(tmp_path):
     if UNDER_MPI:
         namespace = {}
         exec(CHECK, namespace)
@@ -54,7 +53,6 @@ print(x[coll.process_rank])
 """
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([exe, "-n", "2", sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=300, env=env)  # fmt: skip
+    proc, stdout = mpiexec_per_rank(2, [sys.executable, "-c", code], tmp_path, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.split()) == ["10", "11"]  # each rank picked its own item
+    assert stdout == ["10\n", "11\n"]  # each rank picked its own item

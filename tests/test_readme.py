@@ -78,7 +78,7 @@ def test_readme_mpi_example_is_the_example_script():
     assert section_code("The same code under MPI") == MPI_EXAMPLE.read_text()
 
 
-def test_readme_mpi_example_runs_under_mpiexec():
+def test_readme_mpi_example_runs_under_mpiexec(tmp_path):
     """``mpiexec -n 2`` on the example: each rank trains on its own shard and prints its
     loss and bytes, which must be the vmap run's of the same two workers."""
     import harness
@@ -90,10 +90,10 @@ def test_readme_mpi_example_runs_under_mpiexec():
         pytest.skip("mpiexec not found")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [exe, "-n", "2", sys.executable, str(MPI_EXAMPLE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc, stdout = harness.mpiexec_per_rank(2, [sys.executable, str(MPI_EXAMPLE)], tmp_path,
+                                            timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(proc.stdout.splitlines())
+    lines = "".join(stdout).splitlines()
     got = [re.fullmatch(r"rank (\d): loss ([\d.]+), (.*)", line).groups() for line in lines]
     assert [int(r) for r, _, _ in got] == [0, 1]
 
@@ -137,7 +137,7 @@ def test_readme_parameter_servers_example_is_the_example_script():
     assert re.findall(r"```python\n(.*?)```", section, re.S)[1] == PS_EXAMPLE.read_text()
 
 
-def test_readme_parameter_servers_example_runs_under_mpiexec():
+def test_readme_parameter_servers_example_runs_under_mpiexec(tmp_path):
     """``mpiexec -n 4``: 2 workers reduce through 2 servers; BFB's mean is S-SGD's, so each
     worker's loss is the vmap run's of ``allreduce_gradients``; the bytes are hand-counted."""
     import harness
@@ -149,10 +149,10 @@ def test_readme_parameter_servers_example_runs_under_mpiexec():
         pytest.skip("mpiexec not found")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [exe, "-n", "4", sys.executable, str(PS_EXAMPLE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc, stdout = harness.mpiexec_per_rank(4, [sys.executable, str(PS_EXAMPLE)], tmp_path,
+                                            timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(proc.stdout.splitlines())
+    lines = sorted("".join(stdout).splitlines())
     # Each server takes its half (32 float32) of the 64-element buffer from 2 workers, 3 steps.
     assert lines[:2] == ["server: 3 steps, 768 bytes received"] * 2  # sorted: servers first
     got = [re.fullmatch(r"worker (\d): loss ([\d.]+), (.*)", line).groups() for line in lines[2:]]

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from harness import QUICKSTART, assert_same_run, mpiexec, read_jsonl
+from harness import QUICKSTART, assert_same_run, mpiexec, mpiexec_per_rank, read_jsonl
 
 from shoal.comms import tree_nbytes
 from shoal.comms.wire import all_reduce_bytes
@@ -129,15 +129,16 @@ def test_dedicated_parameter_servers(sim_run, tmp_path):
     if exe is None:
         pytest.skip("mpiexec not found")
     servers = 2
-    cmd = [exe, "-n", str(WORKERS + servers), sys.executable, "-m", "shoal.experiments.cli",
-           str(QUICKSTART), "--backend", "mpi", "--servers", str(servers), "--no-progress",
-           "--set", *SETS[:2], "algorithms=ssgd,bfb", "project_workers=0",
-           "--out", str(tmp_path)]  # fmt: skip
+    args = [sys.executable, "-m", "shoal.experiments.cli", str(QUICKSTART), "--backend", "mpi",
+            "--servers", str(servers), "--no-progress", "--set", *SETS[:2],
+            "algorithms=ssgd,bfb", "project_workers=0", "--out", str(tmp_path / "run")]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc, stdout = mpiexec_per_rank(WORKERS + servers, args, tmp_path / "stdout", timeout=300,
+                                    env=env)  # fmt: skip
+    said = "".join(stdout)
+    assert proc.returncode == 0, said[-2000:] + proc.stderr[-4000:]
     sim = [r for r in read_jsonl(sim_run / "metrics.jsonl") if r["algorithm"] in ("ssgd", "bfb")]
-    mpi = read_jsonl(tmp_path / "metrics.jsonl")
+    mpi = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [(r["algorithm"], r["step"]) for r in mpi] == [(r["algorithm"], r["step"]) for r in sim]
     np.testing.assert_allclose([r["loss"] for r in mpi], [r["loss"] for r in sim], rtol=1e-5)
     cfg = load_config(QUICKSTART)
@@ -150,7 +151,7 @@ def test_dedicated_parameter_servers(sim_run, tmp_path):
     per_server = STEPS * WORKERS * shard / 1e6
     for s in range(servers):
         line = f"parameter server {s}: {STEPS} steps, {STEPS} buffers, {per_server:.3f} MB received"
-        assert line in proc.stdout, proc.stdout[-2000:]
+        assert line in said, said[-2000:]
 
 
 def test_servers_end_when_the_config_is_wrong():
