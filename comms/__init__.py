@@ -4,11 +4,13 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.axis import AxisCollective
 from shoal.comms.collective import REDUCE_OPS, Collective
 from shoal.comms.compressed import (
+    OneBit,
     compressed_allreduce,
     compressed_allreduce_bytes,
     compressed_allreduce_init,
     compressed_allreduce_padded_size,
 )
+from shoal.comms.compressor import Compressor, Float32
 from shoal.comms.costmodel import Cluster, Event, Projection, project, step_comm_time
 from shoal.comms.fusion import (
     AtomicPlacement,
@@ -21,6 +23,7 @@ from shoal.comms.fusion import (
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
 from shoal.comms.quantized import (
+    Quantized,
     quantized_allreduce,
     quantized_allreduce_bytes,
     quantized_allreduce_init,
@@ -28,6 +31,7 @@ from shoal.comms.quantized import (
 )
 from shoal.comms.recording import RecordingCollective, record_events
 from shoal.comms.servers import ParameterServers, ServerStats
+from shoal.comms.topk import TopK
 from shoal.comms.wire import ByteCount, WireCount, WireMeter, tree_nbytes, wire_bytes
 
 __all__ = [
@@ -37,13 +41,18 @@ __all__ = [
     "ByteCount",
     "Cluster",
     "Collective",
+    "Compressor",
     "Event",
+    "Float32",
     "FusionPlan",
     "MPICollective",
+    "OneBit",
     "ParameterServers",
     "Projection",
+    "Quantized",
     "RecordingCollective",
     "ServerStats",
+    "TopK",
     "WireCount",
     "WireMeter",
     "atomic_placement",

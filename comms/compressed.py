@@ -29,30 +29,73 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.comms.collective import Collective, check_size
-from shoal.comms.wire import all_gather_bytes, all_to_all_bytes
+from shoal.comms.collective import Collective
+from shoal.comms.compressor import Compressor, check_error, check_vector, two_phase_mean
 from shoal.kernels.sign import sign_pack, sign_unpack
 
 __all__ = [
+    "OneBit",
     "compressed_allreduce",
     "compressed_allreduce_bytes",
     "compressed_allreduce_init",
     "compressed_allreduce_padded_size",
 ]
 
-_SCALE_BYTES = 4  # one float32 per chunk
+_SCALE_BYTES = 4  # one float32 per row
 
 
-def _check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    return n
+@dataclasses.dataclass(frozen=True)
+class OneBit(Compressor):
+    """Scaled signs, 8 per byte, with one float32 RMS scale per encoded buffer.
+
+    ``E(v) = (sign(v), s)`` with ``s = sqrt(mean(v * v))`` over the whole buffer encoded
+    (all ``P`` chunks of a worker, or one server chunk) and ``D = s sign``; ``sign(v) =
+    +1`` for ``v >= 0``. A row of ``c`` values is ``c / 8 + 4`` bytes: the packed signs,
+    then the scale. The pattern is the two-phase all-reduce (`compressed_allreduce`).
+
+    Attributes:
+      error_feedback: keep the worker and server errors (1-bit Adam does).
+      impl: sign kernel implementation, as for :func:`shoal.kernels.sign_pack`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, OneBit
+      >>> coll = AxisCollective("workers", 2)
+      >>> codec = OneBit()
+      >>> f = lambda x: codec.mean(x, codec.init(16, 2), collective=coll)[0]
+      >>> x = jnp.array([[1.0, -1.0] * 8, [3.0, -3.0] * 8])
+      >>> print(jax.vmap(f, axis_name="workers")(x)[:, :4])
+      [[ 2. -2.  2. -2.]
+       [ 2. -2.  2. -2.]]
+    """
+
+    impl: str | None = None
+
+    def chunk_unit(self, size: int) -> int:
+        # whole bytes of signs, and a multiple of P (1-bit LAMB's layer scales need it)
+        return math.lcm(size, 8)
+
+    def row_bytes(self, c: int) -> int:
+        return c // 8 + _SCALE_BYTES
+
+    def encode(self, v: jax.Array) -> jax.Array:
+        rows, c = v.shape
+        bits, scale = sign_pack(v.reshape(rows * c), impl=self.impl)
+        raw = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)
+        return jnp.concatenate(
+            [bits.reshape(rows, c // 8), jnp.broadcast_to(raw, (rows, _SCALE_BYTES))], axis=1
+        )
+
+    def decode(self, rows: jax.Array, c: int) -> jax.Array:
+        scale = lax.bitcast_convert_type(rows[:, c // 8 :], jnp.float32)  # [r, 1]
+        return sign_unpack(rows[:, : c // 8], scale, c, impl=self.impl)
 
 
 def compressed_allreduce_padded_size(n: int, size: int) -> int:
@@ -74,10 +117,7 @@ def compressed_allreduce_padded_size(n: int, size: int) -> int:
       >>> compressed_allreduce_padded_size(100, size=4)  # a multiple of 4 * lcm(4, 8) = 32
       128
     """
-    _check_n(n)
-    check_size(size)
-    unit = size * math.lcm(size, 8)
-    return -(-n // unit) * unit
+    return OneBit().padded_size(n, size)
 
 
 def compressed_allreduce_init(n: int, size: int) -> tuple[jax.Array, jax.Array]:
@@ -97,8 +137,7 @@ def compressed_allreduce_init(n: int, size: int) -> tuple[jax.Array, jax.Array]:
       >>> worker_error.shape, server_error.shape
       ((16,), (8,))
     """
-    n_pad = compressed_allreduce_padded_size(n, size)
-    return jnp.zeros(n_pad, jnp.float32), jnp.zeros(n_pad // size, jnp.float32)
+    return OneBit().init(n, size)
 
 
 def compressed_allreduce_bytes(n: int, size: int) -> tuple[int, int]:
@@ -130,23 +169,7 @@ def compressed_allreduce_bytes(n: int, size: int) -> tuple[int, int]:
       H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
       Adam's Convergence Speed", ICML 2021, section 4.
     """
-    n_pad = compressed_allreduce_padded_size(n, size)
-    chunk_bytes = n_pad // size // 8
-    parts = (
-        all_to_all_bytes(n_pad // 8, size),
-        all_gather_bytes(_SCALE_BYTES, size),
-        all_gather_bytes(chunk_bytes, size),
-        all_gather_bytes(_SCALE_BYTES, size),
-    )
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
-
-
-def _scale_bytes(scale: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)
-
-
-def _bytes_scale(raw: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(raw, jnp.float32)
+    return OneBit().wire_bytes(n, size)
 
 
 def compressed_allreduce(
@@ -204,49 +227,9 @@ def compressed_allreduce(
       C. Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
       Training with LAMB's Convergence Speed", HiPC 2022 (arXiv:2104.06069).
     """
-    size = collective.size
-    if getattr(x, "dtype", jnp.float32) != jnp.float32:
-        raise TypeError(f"x must be float32, got dtype {x.dtype}")
-    x = jnp.asarray(x)
-    if x.ndim != 1 or x.shape[0] < 1:
-        raise ValueError(f"x must be a non-empty 1-D float32 vector, got shape {x.shape}")
-    n = x.shape[0]
+    x = check_vector(x)
+    n, size = x.shape[0], collective.size
     n_pad = compressed_allreduce_padded_size(n, size)
-    chunk = n_pad // size
-    for name, err, length in (
-        ("worker_error", worker_error, n_pad),
-        ("server_error", server_error, chunk),
-    ):
-        if jnp.shape(err) != (length,) or jnp.result_type(err) != jnp.float32:
-            raise ValueError(
-                f"{name} must be float32[{length}] for n={n} on {size} workers, got "
-                f"{jnp.result_type(err)}{list(jnp.shape(err))}"
-            )
-    chunk_bytes = chunk // 8
-
-    # Worker compression: the padding joins the error feedback like any other element.
-    v = jnp.pad(x, (0, n_pad - n)) + worker_error
-    bits, scale = sign_pack(v, impl=impl)
-    worker_error = v - sign_unpack(bits, scale, n_pad, impl=impl)
-
-    # Phase 1: row r (chunk r and this worker's scale) goes to worker r.
-    rows = jnp.concatenate(
-        [bits.reshape(size, chunk_bytes), jnp.broadcast_to(_scale_bytes(scale), (size, 4))],
-        axis=1,
-    )
-    got = collective.all_to_all(rows)  # row j: worker j's signs of my chunk, and s_j
-    parts = sign_unpack(got[:, :chunk_bytes], _bytes_scale(got[:, chunk_bytes:]), chunk, impl=impl)
-    # Sum in source order (a fixed order, whatever the engine), then average.
-    m = parts[0]
-    for j in range(1, size):
-        m = m + parts[j]
-    m = m / jnp.float32(size) + server_error
-
-    # Server compression of my chunk, then phase 2.
-    server_bits, server_scale = sign_pack(m, impl=impl)
-    server_error = m - sign_unpack(server_bits, server_scale, chunk, impl=impl)
-    gathered = collective.all_gather(jnp.concatenate([server_bits, _scale_bytes(server_scale)]))
-    y = sign_unpack(
-        gathered[:, :chunk_bytes], _bytes_scale(gathered[:, chunk_bytes:]), chunk, impl=impl
-    )
-    return y.reshape(n_pad)[:n], worker_error, server_error
+    worker_error = check_error("worker_error", worker_error, n_pad, n, size)
+    server_error = check_error("server_error", server_error, n_pad // size, n, size)
+    return two_phase_mean(OneBit(impl=impl), x, worker_error, server_error, collective=collective)

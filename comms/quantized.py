@@ -36,12 +36,14 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.comms.collective import Collective, check_size
-from shoal.comms.wire import all_gather_bytes, all_to_all_bytes
+from shoal.comms.collective import Collective
+from shoal.comms.compressor import Compressor, check_error, check_vector, two_phase_mean
 from shoal.kernels.quant_reference import (
     BITS,
     check_block,
@@ -51,6 +53,7 @@ from shoal.kernels.quant_reference import (
 )
 
 __all__ = [
+    "Quantized",
     "quantized_allreduce",
     "quantized_allreduce_bytes",
     "quantized_allreduce_init",
@@ -61,10 +64,55 @@ DEFAULT_BLOCK = 128
 _SCALE_BYTES = 4  # one float32 per block
 
 
-def _check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    return n
+@dataclasses.dataclass(frozen=True)
+class Quantized(Compressor):
+    """Block-scaled int8, fp8 (e4m3) or fp4 (e2m1) codes, exchanged in two phases.
+
+    ``E`` quantizes each block of ``block`` values with its float32 absmax scale
+    (:mod:`shoal.kernels.quant_reference`); a row of ``c`` values is ``c bits / 8 +
+    4 c / block`` bytes: the codes, then the scales. The pattern is the two-phase
+    all-reduce (`quantized_allreduce`).
+
+    Attributes:
+      fmt: ``"int8"``, ``"fp8"`` or ``"fp4"``.
+      block: positive int, the values per scale (even for ``"fp4"``); default 128.
+      error_feedback: keep the worker and server errors (default True).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, Quantized
+      >>> coll = AxisCollective("workers", 2)
+      >>> codec = Quantized("fp4", block=2, error_feedback=False)
+      >>> f = lambda x: codec.mean(x, collective=coll)[0]
+      >>> x = jnp.array([[1.0, -2.0, 3.0, 0.5], [3.0, 2.0, -1.0, 0.5]])
+      >>> print(jax.vmap(f, axis_name="workers")(x))
+      [[2.  0.  1.  0.5]
+       [2.  0.  1.  0.5]]
+    """
+
+    fmt: str = "fp4"
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self):
+        check_block(self.block, check_format(self.fmt))
+
+    def chunk_unit(self, size: int) -> int:
+        return self.block
+
+    def row_bytes(self, c: int) -> int:
+        return c * BITS[self.fmt] // 8 + _SCALE_BYTES * (c // self.block)
+
+    def encode(self, v: jax.Array) -> jax.Array:
+        rows = v.shape[0]
+        codes, scales = quantize_reference(v.reshape(-1), self.fmt, self.block)
+        raw = lax.bitcast_convert_type(scales.reshape(rows, -1), jnp.uint8)  # [r, blocks, 4]
+        return jnp.concatenate([codes.reshape(rows, -1), raw.reshape(rows, -1)], axis=-1)
+
+    def decode(self, rows: jax.Array, c: int) -> jax.Array:
+        code_bytes = c * BITS[self.fmt] // 8
+        raw = rows[:, code_bytes:].reshape(rows.shape[0], -1, _SCALE_BYTES)
+        scales = lax.bitcast_convert_type(raw, jnp.float32)
+        return dequantize_reference(rows[:, :code_bytes], scales, self.fmt, self.block)
 
 
 def quantized_allreduce_padded_size(n: int, size: int, block: int = DEFAULT_BLOCK) -> int:
@@ -86,12 +134,9 @@ def quantized_allreduce_padded_size(n: int, size: int, block: int = DEFAULT_BLOC
       >>> quantized_allreduce_padded_size(1000, size=4, block=128)  # a multiple of 512
       1024
     """
-    _check_n(n)
-    check_size(size)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    unit = size * block
-    return -(-n // unit) * unit
+    return Quantized("int8", block, error_feedback=False).padded_size(n, size)
 
 
 def quantized_allreduce_init(
@@ -115,14 +160,7 @@ def quantized_allreduce_init(
       >>> worker_error.shape, server_error.shape
       ((16,), (8,))
     """
-    check_block(block, check_format(fmt))
-    n_pad = quantized_allreduce_padded_size(n, size, block)
-    return jnp.zeros(n_pad, jnp.float32), jnp.zeros(n_pad // size, jnp.float32)
-
-
-def _row_bytes(chunk: int, fmt: str, block: int) -> tuple[int, int]:
-    """Code bytes and scale bytes of one chunk."""
-    return chunk * BITS[fmt] // 8, _SCALE_BYTES * (chunk // block)
+    return Quantized(fmt, block).init(n, size)
 
 
 def quantized_allreduce_bytes(
@@ -159,37 +197,7 @@ def quantized_allreduce_bytes(
       A. Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
       Distributed Free Lunch", arXiv:2501.18512 (2025).
     """
-    check_block(block, check_format(fmt))
-    n_pad = quantized_allreduce_padded_size(n, size, block)
-    code_bytes, scale_bytes = _row_bytes(n_pad // size, fmt, block)
-    parts = (
-        all_to_all_bytes(size * code_bytes, size),
-        all_to_all_bytes(size * scale_bytes, size),
-        all_gather_bytes(code_bytes, size),
-        all_gather_bytes(scale_bytes, size),
-    )
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
-
-
-def _check_error(name: str, err, length: int, n: int, size: int) -> jax.Array:
-    if jnp.shape(err) != (length,) or jnp.result_type(err) != jnp.float32:
-        raise ValueError(
-            f"{name} must be float32[{length}] for n={n} on {size} workers, got "
-            f"{jnp.result_type(err)}{list(jnp.shape(err))}"
-        )
-    return jnp.asarray(err)
-
-
-def _rows(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """uint8[..., code bytes + 4 blocks]: codes, then the scales' float32 bytes."""
-    raw = lax.bitcast_convert_type(scales, jnp.uint8)  # [..., blocks, 4]
-    return jnp.concatenate([codes, raw.reshape(*scales.shape[:-1], -1)], axis=-1)
-
-
-def _unrows(rows: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
-    raw = rows[..., code_bytes:]
-    raw = raw.reshape(*raw.shape[:-1], -1, _SCALE_BYTES)
-    return rows[..., :code_bytes], lax.bitcast_convert_type(raw, jnp.float32)
+    return Quantized(fmt, block).wire_bytes(n, size)
 
 
 def quantized_allreduce(
@@ -258,46 +266,17 @@ def quantized_allreduce(
       Open Compute Project, "OCP Microscaling Formats (MX) Specification" v1.0 (2023).
       H. Tang et al., "1-bit Adam", ICML 2021, section 4.
     """
-    check_format(fmt)
-    check_block(block, fmt)
-    size = collective.size
-    if getattr(x, "dtype", jnp.float32) != jnp.float32:
-        raise TypeError(f"x must be float32, got dtype {x.dtype}")
-    x = jnp.asarray(x)
-    if x.ndim != 1 or x.shape[0] < 1:
-        raise ValueError(f"x must be a non-empty 1-D float32 vector, got shape {x.shape}")
-    n = x.shape[0]
-    n_pad = quantized_allreduce_padded_size(n, size, block)
-    chunk = n_pad // size
+    codec = Quantized(fmt, block)
+    x = check_vector(x)
+    n, size = x.shape[0], collective.size
+    n_pad = codec.padded_size(n, size)
     if worker_error is not None:
-        worker_error = _check_error("worker_error", worker_error, n_pad, n, size)
+        worker_error = check_error("worker_error", worker_error, n_pad, n, size)
     if server_error is not None:
-        server_error = _check_error("server_error", server_error, chunk, n, size)
-    code_bytes, _ = _row_bytes(chunk, fmt, block)
-
-    v = jnp.pad(x, (0, n_pad - n))
-    if worker_error is not None:
-        v = v + worker_error
-    codes, scales = quantize_reference(v, fmt, block)
-    if worker_error is not None:
-        worker_error = v - dequantize_reference(codes, scales, fmt, block)
-
-    # Phase 1: row r (chunk r's codes and its blocks' scales) goes to worker r.
-    got = collective.all_to_all(_rows(codes.reshape(size, -1), scales.reshape(size, -1)))
-    parts = dequantize_reference(*_unrows(got, code_bytes), fmt, block)  # [P, c], by source
-    m = parts[0]
-    for j in range(1, size):
-        m = m + parts[j]
-    m = m / jnp.float32(size)
-    if server_error is not None:
-        m = m + server_error
-
-    # Server quantization of my chunk, then phase 2.
-    server_codes, server_scales = quantize_reference(m, fmt, block)
-    if server_error is not None:
-        server_error = m - dequantize_reference(server_codes, server_scales, fmt, block)
-    gathered = collective.all_gather(_rows(server_codes, server_scales))
-    y = dequantize_reference(*_unrows(gathered, code_bytes), fmt, block).reshape(n_pad)[:n]
+        server_error = check_error("server_error", server_error, n_pad // size, n, size)
+    y, worker_error, server_error = two_phase_mean(
+        codec, x, worker_error, server_error, collective=collective
+    )
     if worker_error is None and server_error is None:
         return y
     return y, worker_error, server_error
