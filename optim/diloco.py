@@ -26,6 +26,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
+from shoal.comms.compressor import Compressor
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import run_if
 from shoal.optim.nonfinite import check_nonfinite, guard
@@ -53,6 +54,8 @@ class DiLoCoState(NamedTuple):
         they advance neither ``step`` nor the round.
       wire: bytes of this transformation's own collectives in the most recent update and
         since init.
+      exchange_memory: the error feedback of ``exchange`` (``()`` without one, or when it
+        keeps none).
     """
 
     inner_state: Any
@@ -62,6 +65,7 @@ class DiLoCoState(NamedTuple):
     rounds: jax.Array
     skipped: jax.Array
     wire: WireMeter
+    exchange_memory: tuple = ()
 
 
 def diloco(
@@ -70,6 +74,7 @@ def diloco(
     collective: Collective,
     sync_every: int,
     outer: optax.GradientTransformation,
+    exchange: Compressor | None = None,
     nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: per-worker inner optimizer steps, an outer optimizer step every ``sync_every``.
@@ -97,7 +102,10 @@ def diloco(
     ``theta_g`` exactly; evaluate it). Only synchronisation updates communicate: one
     all-reduce (mean) of the param-sized ``theta_g - theta_i``, inside a branch on the
     rank-uniform step counter, ``2 (N - 1) / N`` times the param bytes each way in
-    ``state.wire.step`` (0 on the other updates).
+    ``state.wire.step`` (0 on the other updates). With ``exchange``, a
+    `shoal.comms.Compressor`, the mean of ``delta`` travels compressed instead: every
+    leaf flattened into one float32 vector, ``exchange.mean`` of it (its error feedback
+    in ``state.exchange_memory``), and ``exchange.wire_bytes`` of that vector counted.
 
     With constant hyper-parameters this is `shoal.optim.bmuf` with ``nesterov=True,
     nbm="chen_huo", reset_inner_state=False``, ``block_size = sync_every`` and
@@ -114,6 +122,8 @@ def diloco(
         ``sync_every``, ``2 sync_every``, ...
       outer: the outer optimizer, any optax transformation, applied to ``delta`` with
         ``theta_g`` as its params.
+      exchange: None (a float32 all-reduce of ``delta``) or a `shoal.comms.Compressor`
+        for it, e.g. ``shoal.comms.Quantized("fp4")`` or ``shoal.comms.TopK(0.01)``.
       nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`). The flag is
         all-reduced every update, so inner steps are no longer free of communication
         (4 bytes; None restores them).
@@ -160,6 +170,11 @@ def diloco(
     if sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
     sync_every = int(sync_every)
+    if exchange is not None and not isinstance(exchange, Compressor):
+        raise ValueError(
+            "exchange must be None or a shoal.comms.Compressor (e.g. Quantized('fp4')), "
+            f"got {type(exchange).__name__}"
+        )
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
 
@@ -174,6 +189,7 @@ def diloco(
             rounds=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
+            exchange_memory=_exchange_init(exchange, params, n_workers),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -184,19 +200,31 @@ def diloco(
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
 
         def outer_step(carry):
-            _, outer_state, theta_g, rounds, _ = carry
+            _, outer_state, theta_g, rounds, _, memory = carry
             local = optax.apply_updates(params, inner_updates)
-            # All-reduce the workers' distances from theta_g, not their models: the same
+            # Average the workers' distances from theta_g, not their models: the same
             # bytes, and a mean of small differences loses less precision.
-            delta = collective.all_reduce(jax.tree.map(jnp.subtract, theta_g, local), "mean")
+            delta, memory, wire = mean_delta(jax.tree.map(jnp.subtract, theta_g, local), memory)
             delta = _cast_like(delta, theta_g)
             u, new_outer = outer.update(delta, outer_state, theta_g)
             theta_g = optax.apply_updates(theta_g, u)
             restart = jax.tree.map(
                 lambda g, p, o: (g - p).astype(o.dtype), theta_g, params, inner_updates
             )
-            wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), n_workers))
-            return restart, _cast_like(new_outer, outer_state), theta_g, rounds + 1, wire
+            new_outer = _cast_like(new_outer, outer_state)
+            return restart, new_outer, theta_g, rounds + 1, wire, memory
+
+        def mean_delta(delta, memory):
+            if exchange is None:
+                wire = WireCount.of(*all_reduce_bytes(tree_nbytes(delta), n_workers))
+                return collective.all_reduce(delta, "mean"), memory, wire
+            leaves, treedef = jax.tree.flatten(delta)
+            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+            y, memory = exchange.mean(flat, memory, collective=collective)
+            offsets = np.cumsum([0] + [x.size for x in leaves])
+            out = [y[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)]
+            wire = WireCount.of(*exchange.wire_bytes(flat.size, n_workers))
+            return jax.tree.unflatten(treedef, out), memory, wire
 
         is_sync = (step + 1) % sync_every == 0
         carry = (
@@ -205,8 +233,9 @@ def diloco(
             state.global_params,
             state.rounds,
             WireCount.zero(),
+            state.exchange_memory,
         )
-        out, outer_state, theta_g, rounds, wire = run_if(is_sync, outer_step, carry)
+        out, outer_state, theta_g, rounds, wire, memory = run_if(is_sync, outer_step, carry)
         new_state = DiLoCoState(
             inner_state=inner_state,
             outer_state=outer_state,
@@ -215,6 +244,7 @@ def diloco(
             rounds=rounds,
             skipped=state.skipped,
             wire=state.wire.record(wire),
+            exchange_memory=memory,
         )
         return out, new_state
 
@@ -222,6 +252,13 @@ def diloco(
     return optax.GradientTransformationExtraArgs(
         init_fn, checked("diloco", DiLoCoState, guarded, lambda s: s.global_params)
     )
+
+
+def _exchange_init(exchange: Compressor | None, params: Any, size: int) -> tuple:
+    if exchange is None:
+        return ()
+    n = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    return exchange.init(max(n, 1), size)
 
 
 def _check_transformation(name: str, value: Any) -> None:

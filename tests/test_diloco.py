@@ -9,7 +9,7 @@ import pytest
 from harness import n_workers, run_workers, world
 from jax import lax
 
-from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms import AxisCollective, Quantized, TopK, wire_bytes
 from shoal.comms.wire import all_reduce_bytes
 from shoal.optim import allreduce_gradients, bmuf
 from shoal.optim.diloco import DiLoCoState, diloco
@@ -28,6 +28,7 @@ N_BYTES = 4 * (K + D * K)
 LR, MU = 0.1, 0.9  # inner SGD with momentum
 OUTER_LR, OUTER_MU = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 TOL = dict(rtol=2e-5, atol=2e-5)
+QTOL = dict(rtol=0, atol=0.05)  # int8 blocks of 2 values: 1/254 of the block's larger
 
 
 def nesterov_outer():
@@ -264,6 +265,35 @@ def test_wire_bytes_only_on_sync_steps(nonfinite):
         assert (int(state.wire.total.sent), int(state.wire.total.received)) == (total, total)
         assert isinstance(state, DiLoCoState)
         assert state.step.dtype == jnp.int32 and state.rounds.dtype == jnp.int32
+
+
+@pytest.mark.mpi
+def test_exchange_compressor():
+    """exchange=TopK(1.0) sends everything: DiLoCo's oracle exactly, TopK's bytes; int8
+    blocks of 2: the oracle up to the quantization, its error feedback kept in state."""
+    sync_every, steps = 3, 6
+    n = N_BYTES // 4
+    flag = all_reduce_bytes(4, N)[0]
+    cases = ((TopK(fraction=1.0, chunk_size=4), TOL), (Quantized("int8", block=2), QTOL))
+    for exchange, tol in cases:
+        out = run_workers(worker_fn(dilo(sync_every, exchange=exchange), steps), P0, X, Y)
+        expect, expect_g = oracle(N, steps, sync_every)
+        sync = exchange.wire_bytes(n, N)[0]
+        for rank, ((params, theta_g, wire), state) in out.items():
+            np.testing.assert_allclose(flat(params), expect[:, rank], **tol)
+            np.testing.assert_allclose(flat(theta_g), expect_g, **tol)
+            assert np.asarray(wire.sent).tolist() == [flag, flag, sync + flag] * 2
+            memory = state.exchange_memory
+            assert len(memory) == 2 if isinstance(exchange, Quantized) else len(memory) == 1
+            if isinstance(exchange, Quantized):
+                assert np.abs(np.asarray(memory[0])).max() > 0
+            else:
+                assert not np.asarray(memory[0]).any()
+
+
+def test_exchange_must_be_a_compressor():
+    with pytest.raises(ValueError, match="exchange must be None or a shoal.comms.Compressor"):
+        dilo(3, exchange="fp4")(world())
 
 
 def test_nonfinite_gradient_skips_the_step_on_every_worker():
