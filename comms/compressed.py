@@ -60,7 +60,7 @@ class OneBit(Compressor):
     +1`` for ``v >= 0``. A row of ``c`` values is ``c / 8 + 4`` bytes: the packed signs,
     then the scale. The pattern is the two-phase all-reduce (`compressed_allreduce`).
 
-    Attributes:
+    Args:
       error_feedback: keep the worker and server errors (1-bit Adam does).
       impl: sign kernel implementation, as for :func:`shoal.kernels.sign_pack`.
 

@@ -81,7 +81,7 @@ class Compressor:
     and ``decode``; `mean`, `init`, `padded_size` and `wire_bytes` follow from them.
     Instances are frozen and hashable, so they can be static arguments of ``jax.jit``.
 
-    Attributes:
+    Args:
       error_feedback: keep what the encoding drops and add it to the next call
         (keyword-only).
 
@@ -268,6 +268,9 @@ def _all_gather_mean(codec: Compressor, x, memory, collective) -> tuple[jax.Arra
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Float32(Compressor):
     """No compression: a float32 all-reduce (mean), ``2 (P-1) / P 4 n`` bytes each way.
+
+    Args:
+      error_feedback: must be False (nothing is lost).
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -73,7 +73,7 @@ class Quantized(Compressor):
     4 c / block`` bytes: the codes, then the scales. The pattern is the two-phase
     all-reduce (`quantized_allreduce`).
 
-    Attributes:
+    Args:
       fmt: ``"int8"``, ``"fp8"`` or ``"fp4"``.
       block: positive int, the values per scale (even for ``"fp4"``); default 128.
       error_feedback: keep the worker and server errors (default True).

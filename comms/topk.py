@@ -50,7 +50,7 @@ _U16_MAX_CHUNK = 1 << 16
 class TopK(Compressor):
     """Top-k sparsification per chunk with error feedback; an all-gather of the payloads.
 
-    Attributes:
+    Args:
       fraction: the share of each chunk sent, in (0, 1]; ``k = ceil(fraction L)``.
       chunk_size: ``L``, the values per chunk, or None for the whole buffer.
       value_bits: None (float32 values) or 2, 4 or 8 (a sign and ``2^(b-1)`` magnitudes).

@@ -4,6 +4,7 @@ from shoal.optim.allreduce import AllReduceState, allreduce_gradients
 from shoal.optim.bfb import BFBState, bfb_allreduce
 from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
+from shoal.optim.demo import DeMoState, demo
 from shoal.optim.diloco import DiLoCoState, diloco
 from shoal.optim.gtc import GTCState, gtc
 from shoal.optim.noise_scale import NoiseScaleState, gradient_noise_scale, noise_scale
@@ -16,12 +17,16 @@ from shoal.optim.nonfinite import (
 from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_adam, onebit_lamb
 from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
 from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
+from shoal.optim.powersgd import PowerSGDState, powersgd
 from shoal.optim.sma import SMAState, sma
+from shoal.optim.streaming_diloco import StreamingDiLoCoState, streaming_diloco
+from shoal.optim.topk import TopKState, topk
 
 __all__ = [
     "AllReduceState",
     "BFBState",
     "BMUFState",
+    "DeMoState",
     "DiLoCoState",
     "GTCState",
     "NONFINITE_POLICIES",
@@ -31,12 +36,16 @@ __all__ = [
     "OneBitLambState",
     "PartialExchangeState",
     "PeerAveragingState",
+    "PowerSGDState",
     "SMAState",
     "SkipNonFiniteState",
+    "StreamingDiLoCoState",
+    "TopKState",
     "allreduce_gradients",
     "bfb_allreduce",
     "bmuf",
     "bmuf_gtc",
+    "demo",
     "diloco",
     "gradient_noise_scale",
     "gtc",
@@ -47,6 +56,9 @@ __all__ = [
     "peer_averaging",
     "peer_permutation",
     "pgx_partition",
+    "powersgd",
     "skip_nonfinite",
     "sma",
+    "streaming_diloco",
+    "topk",
 ]

@@ -21,7 +21,8 @@ class TopKState(NamedTuple):
 
     Attributes:
       error: the error feedback: one float32 vector of every leaf padded to whole chunks
-        (with ``chunk_size``), or a tuple of one vector per leaf (without).
+        (with ``chunk_size``), or a tree like the params of one flat float32 vector per
+        leaf (without).
       skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update and since init.
     """
@@ -84,7 +85,7 @@ def topk(
       ...     jnp.array([[1.0, -3.0, 2.0, 0.5], [1.0, 1.0, 4.0, 0.0]]))
       >>> print(updates[0])
       [ 0.5 -1.5  3.   0. ]
-      >>> print(error[0])
+      >>> print(error)
       [[1.  0.  0.  0.5]
        [0.  1.  0.  0. ]]
 
@@ -105,7 +106,7 @@ def topk(
         check_same_structure(params, collective)
         leaves = jax.tree.leaves(params)
         if chunk_size is None:
-            error = tuple(codec.init(max(x.size, 1), size)[0] for x in leaves)
+            error = jax.tree.map(lambda x: codec.init(max(x.size, 1), size)[0], params)
         else:
             error = jnp.zeros(sum(padded(x) for x in leaves), jnp.float32)
         return TopKState(error=error, skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero())
@@ -116,13 +117,13 @@ def topk(
         flat = [jnp.ravel(x).astype(jnp.float32) for x in leaves]
         if chunk_size is None:
             means, error, sent, received = [], [], 0, 0
-            for v, e in zip(flat, state.error):
+            for v, e in zip(flat, treedef.flatten_up_to(state.error)):
                 y, (e,) = codec.mean(_nonempty(v), (e,), collective=collective)
                 means.append(y[: v.size])
                 error.append(e)
                 s, r = codec.wire_bytes(max(v.size, 1), size)
                 sent, received = sent + s, received + r
-            error = tuple(error)
+            error = jax.tree.unflatten(treedef, error)
         else:
             # Each leaf padded to whole chunks, so no chunk spans two leaves.
             buffer = jnp.concatenate([jnp.pad(v, (0, padded(v) - v.size)) for v in flat])

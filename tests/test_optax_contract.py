@@ -12,6 +12,7 @@ from shoal.optim import (
     allreduce_gradients,
     bfb_allreduce,
     bmuf,
+    demo,
     diloco,
     gradient_noise_scale,
     gtc,
@@ -19,7 +20,9 @@ from shoal.optim import (
     onebit_lamb,
     partial_exchange,
     peer_averaging,
+    powersgd,
     sma,
+    topk,
 )
 
 N = 4
@@ -66,6 +69,20 @@ UNDER_TEST = {
     "diloco": (
         lambda **kw: diloco(optax.sgd(LR), outer=optax.sgd(0.7, momentum=0.9, nesterov=True), **kw),
         {"sync_every": 4},
+        (),
+        False,
+    ),
+    "topk": (topk, {"fraction": 0.5}, ("fraction", "chunk_size", "value_bits"), True),
+    "powersgd": (
+        powersgd,
+        {"rank": 1},
+        ("rank", "start_step", "warm_start", "min_compression", "seed"),
+        True,
+    ),
+    # sign(mean momentum) steps are +-lr: decay the rate so the iterate settles.
+    "demo": (
+        lambda **kw: optax.chain(demo(**kw), optax.sgd(optax.linear_schedule(0.05, 0.0, 1500))),
+        {"chunk_size": 4, "topk": 2, "momentum": 0.9},
         (),
         False,
     ),
@@ -130,6 +147,9 @@ INJECTABLE = {
         ("strategy", "staleness", "seed"),
     ),
     "sma": (sma, {"inner": optax.sgd(LR), "alpha": 0.5}, ()),
+    "topk": UNDER_TEST["topk"][:3],
+    "powersgd": UNDER_TEST["powersgd"][:3],
+    "demo": (demo, {"chunk_size": 4, "topk": 2}, ("chunk_size", "topk", "sign")),
     "diloco": (
         diloco,
         {"inner": optax.sgd(LR), "outer": optax.sgd(1.0), "sync_every": 1},

@@ -72,9 +72,9 @@ def test_topk_matches_oracle(fraction, chunk, bits):
         for key in LEAVES:
             got = np.asarray(updates[key]).reshape(STEPS, -1)
             np.testing.assert_allclose(got, want[key], rtol=1e-6, atol=1e-6)
-        if chunk is None:  # one error vector per leaf, in leaf order
-            for key, e in zip(LEAVES, error):
-                np.testing.assert_allclose(np.asarray(e[-1]), errors[key][rank], atol=1e-6)
+        if chunk is None:  # one error vector per leaf, in a tree like the params
+            for key in LEAVES:
+                np.testing.assert_allclose(np.asarray(error[key][-1]), errors[key][rank], atol=1e-6)
         else:  # one vector: each leaf padded to whole chunks
             fused = np.concatenate([errors[key][rank] for key in LEAVES])
             np.testing.assert_allclose(np.asarray(error[-1]), fused, atol=1e-6)
