@@ -41,21 +41,25 @@ from typing import Any
 import jax
 import optax
 
-from shoal.comms import Collective, gradient_order
+from shoal.comms import Collective, Compressor, Quantized, TopK, gradient_order
 from shoal.experiments.config import Config, ConfigError
 from shoal.optim import (
     allreduce_gradients,
     bfb_allreduce,
     bmuf,
     bmuf_gtc,
+    demo,
     diloco,
     gradient_noise_scale,
     gtc,
     onebit_lamb,
     partial_exchange,
     peer_averaging,
+    powersgd,
     skip_nonfinite,
     sma,
+    streaming_diloco,
+    topk,
 )
 
 Comms = Collective | tuple[Collective, Collective]
@@ -317,8 +321,9 @@ def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransform
     )
 
 
+_TOPK = ("topk_fraction", "topk_chunk_size", "topk_value_bits")
 _DILOCO = ("diloco_sync_every", "diloco_outer_lr", "diloco_outer_momentum", "diloco_inner",
-           "diloco_inner_lr", "weight_decay")  # fmt: skip
+           "diloco_inner_lr", "weight_decay", "diloco_exchange", *_TOPK)  # fmt: skip
 
 
 def _check_diloco(cfg: Config) -> None:
@@ -331,24 +336,96 @@ def _check_diloco(cfg: Config) -> None:
         )
 
 
-@register("diloco", check=_check_diloco, fields=_DILOCO)
-def diloco_(cfg: Config, collective: Any) -> optax.GradientTransformation:
-    """DiLoCo (`shoal.optim.diloco`): the inner optimizer (``diloco_inner``: AdamW with
-    ``diloco_inner_lr`` and ``weight_decay``, or `local_sgd`) on every worker, and every
-    ``diloco_sync_every`` steps the outer Nesterov SGD step (``diloco_outer_lr``,
-    ``diloco_outer_momentum``) on the average of the workers' progress."""
+def _topk_codec(cfg: Config) -> TopK:
+    bits = cfg.topk_value_bits or None
+    return TopK(fraction=cfg.topk_fraction, chunk_size=cfg.topk_chunk_size, value_bits=bits)
+
+
+def diloco_exchange(cfg: Config) -> Compressor | None:
+    """``diloco_exchange`` as a `shoal.comms.Compressor` (None: a float32 all-reduce)."""
+    if cfg.diloco_exchange == "float32":
+        return None
+    if cfg.diloco_exchange == "topk":
+        return _topk_codec(cfg)
+    return Quantized(cfg.diloco_exchange)
+
+
+def _diloco_parts(cfg: Config) -> tuple[optax.GradientTransformation, ...]:
     if cfg.diloco_inner == "adamw":
         inner = optax.adamw(cfg.diloco_inner_lr, weight_decay=cfg.weight_decay)
     else:
         inner = local_sgd(cfg)
     outer = optax.sgd(cfg.diloco_outer_lr, momentum=cfg.diloco_outer_momentum, nesterov=True)
+    return inner, outer
+
+
+@register("diloco", check=_check_diloco, fields=_DILOCO)
+def diloco_(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """DiLoCo (`shoal.optim.diloco`): the inner optimizer (``diloco_inner``: AdamW with
+    ``diloco_inner_lr`` and ``weight_decay``, or `local_sgd`) on every worker, and every
+    ``diloco_sync_every`` steps the outer Nesterov SGD step (``diloco_outer_lr``,
+    ``diloco_outer_momentum``) on the average of the workers' progress, exchanged as
+    ``diloco_exchange`` says."""
+    inner, outer = _diloco_parts(cfg)
     return diloco(
         inner,
         collective=collective,
         sync_every=cfg.diloco_sync_every,
         outer=outer,
+        exchange=diloco_exchange(cfg),
         nonfinite=None,
     )
+
+
+@register(
+    "streaming_diloco",
+    fields=(*_DILOCO, "streaming_fragments", "streaming_overlap", "streaming_mix"),
+)
+def streaming_diloco_(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """Streaming DiLoCo (`shoal.optim.streaming_diloco`): `diloco_` with the parameters in
+    ``streaming_fragments`` fragments that sync in turn, each outer update merged
+    ``streaming_overlap`` steps later with weight ``streaming_mix`` on the local model."""
+    inner, outer = _diloco_parts(cfg)
+    return streaming_diloco(
+        inner,
+        collective=collective,
+        sync_every=cfg.diloco_sync_every,
+        outer=outer,
+        num_fragments=cfg.streaming_fragments,
+        overlap=cfg.streaming_overlap,
+        mix=cfg.streaming_mix,
+        exchange=diloco_exchange(cfg),
+        nonfinite=None,
+    )
+
+
+@register("topk", fields=_TOPK)
+def topk_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """Top-k with error feedback (`shoal.optim.topk`: ``topk_fraction`` of each chunk of
+    ``topk_chunk_size``, values at ``topk_value_bits``), then `local_sgd`."""
+    bits = cfg.topk_value_bits or None
+    tx = topk(cfg.topk_fraction, collective=collective, chunk_size=cfg.topk_chunk_size,
+              value_bits=bits, nonfinite=None)  # fmt: skip
+    return optax.chain(tx, local_sgd(cfg))
+
+
+@register("powersgd", fields=("powersgd_rank", "powersgd_start_step"))
+def powersgd_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """PowerSGD (`shoal.optim.powersgd` at ``powersgd_rank``, plain all-reduce for the first
+    ``powersgd_start_step`` steps), then `local_sgd`."""
+    tx = powersgd(cfg.powersgd_rank, collective=collective, start_step=cfg.powersgd_start_step,
+                  seed=cfg.seed, nonfinite=None)  # fmt: skip
+    return optax.chain(tx, local_sgd(cfg))
+
+
+@register("demo", fields=("demo_momentum", "demo_chunk_size", "demo_topk", "demo_sign", "demo_lr"))
+def demo_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """DeMo (`shoal.optim.demo`): decoupled momentum ``demo_momentum``, its DCT top
+    ``demo_topk`` of each ``demo_chunk_size`` chunk exchanged, the sign of the mean
+    (``demo_sign``) stepped with SGD at ``demo_lr``."""
+    tx = demo(collective=collective, momentum=cfg.demo_momentum, chunk_size=cfg.demo_chunk_size,
+              topk=cfg.demo_topk, sign=cfg.demo_sign, nonfinite=None)  # fmt: skip
+    return optax.chain(tx, optax.sgd(cfg.demo_lr))
 
 
 def freeze_step(cfg: Config) -> int:

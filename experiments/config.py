@@ -131,6 +131,34 @@ class Config:
     diloco_outer_momentum: float = 0.9
     diloco_inner: Literal["adamw", "sgd"] = "adamw"
     diloco_inner_lr: float = 1e-3
+    # The exchange of DiLoCo's outer gradient (`diloco`, `streaming_diloco`): "float32"
+    # (an all-reduce), "int8" / "fp8" / "fp4" (`shoal.comms.Quantized`, blocks of 128,
+    # error feedback) or "topk" (`shoal.comms.TopK` with topk_fraction, topk_chunk_size
+    # and topk_value_bits: SparseLoCo's exchange).
+    diloco_exchange: Literal["float32", "int8", "fp8", "fp4", "topk"] = "float32"
+    # Streaming DiLoCo (`shoal.optim.streaming_diloco`, with the diloco_* fields above):
+    # fragments syncing in turn, the steps an outer update waits before it is merged
+    # (overlap tau), and the merge's weight on the local model (mix).
+    streaming_fragments: int = 4
+    streaming_overlap: int = 0
+    streaming_mix: float = 0.5
+
+    # Top-k with error feedback (`shoal.optim.topk`, then `local_sgd`; also DiLoCo's "topk"
+    # exchange): the share of each chunk of topk_chunk_size values sent, and the bits of
+    # each sent value (0: float32).
+    topk_fraction: float = 0.01
+    topk_chunk_size: int = 64
+    topk_value_bits: Literal[0, 2, 4, 8] = 0
+    # PowerSGD (`shoal.optim.powersgd`, then `local_sgd`): rank and plain all-reduce steps.
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 0
+    # DeMo (`shoal.optim.demo`, then SGD at demo_lr without momentum): momentum decay,
+    # DCT chunk size, coefficients sent per chunk, and sign of the update.
+    demo_momentum: float = 0.999
+    demo_chunk_size: int = 64
+    demo_topk: int = 32
+    demo_sign: bool = True
+    demo_lr: float = 1e-3
 
     # Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`): bytes per buffer
     # (0: automatic). Dedicated server ranks come from `shoal-run --servers S`.
@@ -263,6 +291,28 @@ class Config:
         _check(0 <= self.diloco_outer_momentum < 1, "diloco_outer_momentum", "a float in [0, 1)")
         _check(self.diloco_inner in ("adamw", "sgd"), "diloco_inner", '"adamw" or "sgd"')
         _check(self.diloco_inner_lr > 0, "diloco_inner_lr", "a float > 0")
+        exchanges = ("float32", "int8", "fp8", "fp4", "topk")
+        _check(self.diloco_exchange in exchanges, "diloco_exchange", f"one of {exchanges}")
+        _check(self.streaming_fragments >= 1, "streaming_fragments", "an int >= 1")
+        _check(
+            0 <= self.streaming_overlap < self.diloco_sync_every,
+            "streaming_overlap",
+            f"an int in [0, diloco_sync_every = {self.diloco_sync_every})",
+        )
+        _check(0 <= self.streaming_mix <= 1, "streaming_mix", "a float in [0, 1]")
+        _check(0 < self.topk_fraction <= 1, "topk_fraction", "a float in (0, 1]")
+        _check(self.topk_chunk_size >= 1, "topk_chunk_size", "an int >= 1")
+        _check(self.topk_value_bits in (0, 2, 4, 8), "topk_value_bits", "0, 2, 4 or 8")
+        _check(self.powersgd_rank >= 1, "powersgd_rank", "an int >= 1")
+        _check(self.powersgd_start_step >= 0, "powersgd_start_step", "an int >= 0")
+        _check(0 <= self.demo_momentum < 1, "demo_momentum", "a float in [0, 1)")
+        _check(self.demo_chunk_size >= 1, "demo_chunk_size", "an int >= 1")
+        _check(
+            1 <= self.demo_topk <= self.demo_chunk_size**2,
+            "demo_topk",
+            f"an int in [1, demo_chunk_size^2 = {self.demo_chunk_size**2}]",
+        )
+        _check(self.demo_lr > 0, "demo_lr", "a float > 0")
         _check(
             self.workers * self.batch_size <= self.train_size,
             "batch_size",

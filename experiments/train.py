@@ -24,6 +24,7 @@ from shoal.optim.diloco import DiLoCoState
 from shoal.optim.gtc import sent_fraction
 from shoal.optim.noise_scale import noise_scale
 from shoal.optim.nonfinite import NonFiniteGradientError, skipped_steps
+from shoal.optim.streaming_diloco import StreamingDiLoCoState
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
 
@@ -117,11 +118,12 @@ def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_ch
 
 
 def evaluated_params(params: Any, opt_state: Any) -> Any:
-    """The model to test: ``params``, or, when ``opt_state`` holds a `BMUFState` or a
-    `DiLoCoState`, the global model of the latest outer step (``W_g``; BMUF's filtered model
-    ``W`` with ``nbm="chen_huo"``), which is what these methods deliver: mid-block (mid-round),
-    the workers' models are local, unsynchronised ones."""
-    kinds = (BMUFState, DiLoCoState)
+    """The model to test: ``params``, or, when ``opt_state`` holds a `BMUFState`, a
+    `DiLoCoState` or a `StreamingDiLoCoState`, the global model of the latest outer step
+    (``W_g``, per fragment for Streaming DiLoCo; BMUF's filtered model ``W`` with
+    ``nbm="chen_huo"``), which is what these methods deliver: mid-block (mid-round), the
+    workers' models are local, unsynchronised ones."""
+    kinds = (BMUFState, DiLoCoState, StreamingDiLoCoState)
     states = [
         s
         for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
@@ -130,7 +132,7 @@ def evaluated_params(params: Any, opt_state: Any) -> Any:
     if not states:
         return params
     state = states[0]
-    if isinstance(state, DiLoCoState):
+    if isinstance(state, (DiLoCoState, StreamingDiLoCoState)):
         return state.global_params
     return state.global_params if state.filtered is None else state.filtered
 

@@ -27,10 +27,11 @@ from shoal.experiments.train import train
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner tests start their own MPI")
 
 ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "sma",
-              "adaptive")  # fmt: skip
+              "adaptive", "diloco", "streaming_diloco", "topk", "powersgd", "demo")  # fmt: skip
 STEPS, HALF = 8, 4
 SETS = [f"steps={STEPS}", "eval_every=4", "block_size=4", "group_size=2", "policy_every=2",
-        "policy_after=0", "noise_threshold=0", "project_workers=0"]  # fmt: skip
+        "policy_after=0", "noise_threshold=0", "project_workers=0", "diloco_sync_every=4",
+        "diloco_exchange=fp4", "streaming_fragments=2", "streaming_overlap=1"]  # fmt: skip
 WALL = ("time_s", "wall_s")
 
 
