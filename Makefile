@@ -55,6 +55,7 @@ study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/onebit_lamb_lm.py --overwrite
 	$(BIN)/shoal-run experiments/configs/herring_table3.py --overwrite
 	$(BIN)/shoal-run experiments/configs/kungfu.py --overwrite
+	$(BIN)/shoal-run experiments/configs/diloco_lm.py --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

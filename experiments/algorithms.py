@@ -222,6 +222,15 @@ def ssgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     return optax.chain(allreduce_gradients(collective=collective, nonfinite=None), local_sgd(cfg))
 
 
+@register("ssgd_adamw", fields=("diloco_inner_lr", "weight_decay"))
+def ssgd_adamw(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """S-SGD with AdamW: all-reduce (mean) the gradients every step, then AdamW at
+    ``diloco_inner_lr`` with ``weight_decay``: DiLoCo's inner optimizer, so that the
+    baseline and DiLoCo differ only in how often they synchronise."""
+    tx = allreduce_gradients(collective=collective, nonfinite=None)
+    return optax.chain(tx, optax.adamw(cfg.diloco_inner_lr, weight_decay=cfg.weight_decay))
+
+
 @register("gtc", fields=_GTC)
 def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""

@@ -113,6 +113,10 @@ class SimBackend(_WholeWorkers):
         """The root's host value ``obj`` on every process (one process here)."""
         return obj
 
+    def gather_all(self, obj: Any) -> list[Any]:
+        """Every process's host value ``obj``, in process order (one process here)."""
+        return [obj]
+
     def mean_params(self, params: Any) -> Any:
         # Sum then divide, in float32, as the MPI backend does.
         return jax.tree.map(lambda a: np.asarray(a).sum(0) / np.float32(self.size), params)
@@ -125,6 +129,10 @@ class _HostComm:
     def share(self, obj: Any) -> Any:
         """The root's host value ``obj`` on every process (a pickled broadcast)."""
         return self.comm.bcast(obj, root=0)
+
+    def gather_all(self, obj: Any) -> list[Any]:
+        """Every process's host value ``obj``, in process order (a pickled all-gather)."""
+        return self.comm.allgather(obj)
 
     def _mean_at_root(self, local_sum: Any) -> Any:
         """The mean over all workers at the root (None elsewhere): this process's sum of

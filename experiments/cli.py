@@ -183,12 +183,6 @@ def output_problem(out: Path, resume: bool, overwrite: bool, can_resume: bool = 
     )
 
 
-def _everyone(backend, flag: bool) -> list[bool]:
-    """``flag`` of every process of the job (one process: ``[flag]``)."""
-    comm = getattr(backend, "comm", None)
-    return [flag] if comm is None else comm.allgather(flag)
-
-
 def _setup(args, backend, loaded):
     if not isinstance(loaded, Config):
         raise ConfigError(
@@ -431,7 +425,7 @@ def _main(args, argv, backend) -> int:
     if problem is None and args.resume:
         found = any(Checkpointer(out / "checkpoints", n, cfg, backend).steps()
                     for n in cfg.algorithms)  # fmt: skip
-        if not any(_everyone(backend, found)):
+        if not any(backend.gather_all(found)):
             problem = (
                 f"--resume found no checkpoint of {', '.join(cfg.algorithms)} in "
                 f"{out / 'checkpoints'}: nothing to continue (a run saves checkpoints with "

@@ -44,13 +44,14 @@ SUMMARY_COLUMNS = (
     ("test_error", "test error", "{:.2%}"),
     ("mb_sent", "MB sent/worker", "{:.3f}"),
     ("mb_received", "MB recv/worker", "{:.3f}"),
+    ("peak_kb_sent", "peak kB sent/step", "{:.1f}"),
     ("density", "sent/elements", "{:.2%}"),
     ("projected_ms", "projected step ms", "{:.2f}"),
     ("skipped", "skipped steps", "{}"),
     ("wall_s", "wall s", "{:.1f}"),
 )
 # Shown only when some run has them.
-OPTIONAL_COLUMNS = ("projected_ms", "skipped")
+OPTIONAL_COLUMNS = ("projected_ms", "skipped", "peak_kb_sent")
 PLOTS = ("loss_vs_step.png", "loss_vs_mb.png", "accuracy_vs_step.png")
 SAMPLES_PLOT = "test_loss_vs_samples.png"  # with a LAMB / 1-bit LAMB pair
 

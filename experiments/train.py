@@ -349,6 +349,8 @@ def train(
             "test_error": 1.0 - last["test_accuracy"],
             "mb_sent": last["mb_sent"],
             "mb_received": last["mb_received"],
+            # the most any one step sent (per worker): what a link must carry at once
+            "peak_kb_sent": max(float(np.max(r["bytes_sent"])) for r in records) / 1e3,
             "density": float(np.mean([r["density"] for r in records]))
             if "density" in last
             else None,
