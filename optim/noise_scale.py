@@ -231,18 +231,18 @@ def noise_scale(opt_state: Any) -> jax.Array | None:
       or None when ``opt_state`` holds no `NoiseScaleState`.
 
     Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      It finds the estimate anywhere in a chain's state (0 before the first update), and
+      says None where there is none (`gradient_noise_scale` shows a value):
+
+      >>> import jax.numpy as jnp, optax
       >>> from shoal.comms import AxisCollective
-      >>> coll = AxisCollective("workers", 2)
       >>> from shoal.optim import gradient_noise_scale, noise_scale
-      >>> tx = gradient_noise_scale(collective=coll, local_batch_size=8, ema=0.0)
-      >>> def step(g):
-      ...     updates, state = tx.update(g, tx.init(g))
-      ...     return updates, noise_scale(state)
-      >>> grads = jnp.array([[1.0, 1.0], [1.0, 3.0]])
-      >>> updates, b_simple = jax.vmap(step, axis_name="workers")(grads)
-      >>> print(updates[0], b_simple)
-      [1. 2.] [4. 4.]
+      >>> monitor = gradient_noise_scale(collective=AxisCollective("workers", 2),
+      ...                                local_batch_size=8)
+      >>> print(noise_scale(optax.chain(monitor, optax.sgd(0.1)).init(jnp.zeros(2))))
+      0.0
+      >>> print(noise_scale(optax.sgd(0.1).init(jnp.zeros(2))))
+      None
 
     References:
       McCandlish et al., "An Empirical Model of Large-Batch Training", 2018,
