@@ -56,6 +56,8 @@ study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/herring_table3.py --overwrite
 	$(BIN)/shoal-run experiments/configs/kungfu.py --overwrite
 	$(BIN)/shoal-run experiments/configs/diloco_lm.py --overwrite
+	$(BIN)/shoal-run experiments/configs/compression_pareto.py --overwrite
+	$(BIN)/shoal-run experiments/configs/compression_pareto_lm.py --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -52,6 +52,7 @@ from shoal.optim import (
     diloco,
     gradient_noise_scale,
     gtc,
+    onebit_adam,
     onebit_lamb,
     partial_exchange,
     peer_averaging,
@@ -501,6 +502,21 @@ def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """1-bit LAMB (`shoal.optim.onebit_lamb`): `lamb` for `freeze_step` steps, then the
     momentum through the 1-bit compressed all-reduce with the frozen variance."""
     return _lamb(cfg, collective, freeze_step(cfg))
+
+
+@register(
+    "onebit_adam",
+    check=_check_onebit,
+    fields=(*_LAMB, "onebit_freeze_fraction", "onebit_freeze_step"),
+)
+def onebit_adam_(cfg: Config, collective: Any) -> optax.GradientTransformation:
+    """1-bit Adam (`shoal.optim.onebit_adam`): Adam on the all-reduced gradients for
+    `freeze_step` steps, then the momentum through the 1-bit compressed all-reduce with the
+    frozen variance; the 1-bit family's rate schedule (`lamb_schedule`), b1, b2 and weight
+    decay."""
+    return onebit_adam(lamb_schedule(cfg), collective=collective, freeze_step=freeze_step(cfg),
+                       b1=cfg.lamb_b1, b2=cfg.lamb_b2, weight_decay=cfg.weight_decay,
+                       nonfinite=None)  # fmt: skip
 
 
 @register("pgx", fields=("pgx_fraction",))

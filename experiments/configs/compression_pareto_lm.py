@@ -1,0 +1,27 @@
+"""``compression_pareto.py``'s entries on the byte-level LM (`shoal.experiments.lm`: a
+2-block causal transformer of width 64 on the Python standard library's source), 8
+simulated workers, about 8 minutes on 2 CPU cores.
+
+Run with ``shoal-run experiments/configs/compression_pareto_lm.py``.
+"""
+
+from shoal.experiments.config import Config
+from shoal.experiments.configs.compression_pareto import COMMON
+
+
+def get_config() -> Config:
+    return Config(
+        name="compression_pareto_lm",
+        task="lm",
+        steps=300,
+        batch_size=4,
+        seq_len=128,
+        train_size=20000,
+        test_size=512,
+        lm_width=64,
+        lm_layers=2,
+        lm_heads=4,
+        learning_rate=0.1,
+        momentum=0.9,
+        **COMMON,
+    )
