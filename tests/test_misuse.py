@@ -34,6 +34,12 @@ BUILDERS = {
     "peer_averaging": lambda c: optim.peer_averaging(optax.sgd(0.1), collective=c),
     "sma": lambda c: optim.sma(optax.sgd(0.1), collective=c),
     "skip_nonfinite": lambda c: optim.skip_nonfinite(optax.sgd(0.1), collective=c),
+    "streaming_diloco": lambda c: optim.streaming_diloco(
+        optax.adamw(1e-3), collective=c, sync_every=2, outer=optax.sgd(0.7), num_fragments=2
+    ),
+    "topk": lambda c: optim.topk(0.5, collective=c),
+    "powersgd": lambda c: optim.powersgd(1, collective=c),
+    "demo": lambda c: optim.demo(collective=c, chunk_size=2, topk=1),
     "bmuf_gtc": lambda tiers: optim.bmuf_gtc(
         optax.sgd(0.1), intra=tiers[0], inter=tiers[1], block_size=2, threshold=0.1
     ),
@@ -52,6 +58,10 @@ STATE_TYPES = {
     "peer_averaging": optim.PeerAveragingState,
     "sma": optim.SMAState,
     "skip_nonfinite": optim.SkipNonFiniteState,
+    "streaming_diloco": optim.StreamingDiLoCoState,
+    "topk": optim.TopKState,
+    "powersgd": optim.PowerSGDState,
+    "demo": optim.DeMoState,
 }
 
 
