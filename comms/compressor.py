@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from shoal.comms.collective import Collective, check_size
-from shoal.comms.wire import all_gather_bytes, all_reduce_bytes, all_to_all_bytes
+from shoal.comms.wire import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, tree_nbytes
 
-__all__ = ["PATTERNS", "Compressor", "Float32", "check_vector"]
+__all__ = ["PATTERNS", "Compressor", "Float32", "check_vector", "tree_mean"]
 
 PATTERNS = ("all_reduce", "two_phase", "all_gather")
 
@@ -300,3 +300,46 @@ class Float32(Compressor):
         if tuple(memory):
             raise ValueError("Float32 keeps no memory: pass memory=()")
         return collective.all_reduce(x, "mean"), ()
+
+
+def tree_mean(
+    tree, memory: tuple = (), *, collective: Collective, exchange: Compressor | None = None
+):
+    """The mean of a pytree over the workers, plain or through a compressor.
+
+    ``exchange=None`` all-reduces the tree (mean) as it is; a `Compressor` gets every leaf
+    flattened into one float32 vector (``exchange.mean``, its error feedback in
+    ``memory``), and the mean is cut back into leaves of the tree's shapes and dtypes.
+
+    Args:
+      tree: a pytree of floating arrays, this worker's values.
+      memory: the compressor's error feedback (``()`` without one).
+      collective: the workers (`shoal.comms.Collective`).
+      exchange: None or a `Compressor`.
+
+    Returns:
+      ``(mean, memory, (sent, received))``: the mean tree, the updated memory and the
+      bytes of the exchange per worker (static Python ints).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, TopK
+      >>> from shoal.comms.compressor import tree_mean
+      >>> coll = AxisCollective("workers", 2)
+      >>> exchange = TopK(fraction=1.0, error_feedback=False)  # every value: the exact mean
+      >>> f = lambda t: tree_mean(t, collective=coll, exchange=exchange)[0]
+      >>> print(jax.vmap(f, axis_name="workers")({"a": jnp.array([[1.0, 2.0], [3.0, 4.0]])}))
+      {'a': Array([[2., 3.],
+             [2., 3.]], dtype=float32)}
+    """
+    if exchange is None:
+        nbytes = all_reduce_bytes(tree_nbytes(tree), collective.size)
+        return collective.all_reduce(tree, "mean"), memory, nbytes
+    leaves, treedef = jax.tree.flatten(tree)
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    y, memory = exchange.mean(flat, memory, collective=collective)
+    out, start = [], 0
+    for x in leaves:
+        out.append(y[start : start + x.size].reshape(x.shape).astype(x.dtype))
+        start += x.size
+    return jax.tree.unflatten(treedef, out), memory, exchange.wire_bytes(flat.size, collective.size)

@@ -26,8 +26,8 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
-from shoal.comms.compressor import Compressor
-from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.comms.compressor import Compressor, tree_mean
+from shoal.comms.wire import WireCount, WireMeter
 from shoal.optim.inplace import run_if
 from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
@@ -204,7 +204,10 @@ def diloco(
             local = optax.apply_updates(params, inner_updates)
             # Average the workers' distances from theta_g, not their models: the same
             # bytes, and a mean of small differences loses less precision.
-            delta, memory, wire = mean_delta(jax.tree.map(jnp.subtract, theta_g, local), memory)
+            diff = jax.tree.map(jnp.subtract, theta_g, local)
+            delta, memory, nbytes = tree_mean(
+                diff, memory, collective=collective, exchange=exchange
+            )
             delta = _cast_like(delta, theta_g)
             u, new_outer = outer.update(delta, outer_state, theta_g)
             theta_g = optax.apply_updates(theta_g, u)
@@ -212,19 +215,7 @@ def diloco(
                 lambda g, p, o: (g - p).astype(o.dtype), theta_g, params, inner_updates
             )
             new_outer = _cast_like(new_outer, outer_state)
-            return restart, new_outer, theta_g, rounds + 1, wire, memory
-
-        def mean_delta(delta, memory):
-            if exchange is None:
-                wire = WireCount.of(*all_reduce_bytes(tree_nbytes(delta), n_workers))
-                return collective.all_reduce(delta, "mean"), memory, wire
-            leaves, treedef = jax.tree.flatten(delta)
-            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-            y, memory = exchange.mean(flat, memory, collective=collective)
-            offsets = np.cumsum([0] + [x.size for x in leaves])
-            out = [y[a:b].reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], leaves)]
-            wire = WireCount.of(*exchange.wire_bytes(flat.size, n_workers))
-            return jax.tree.unflatten(treedef, out), memory, wire
+            return restart, new_outer, theta_g, rounds + 1, WireCount.of(*nbytes), memory
 
         is_sync = (step + 1) % sync_every == 0
         carry = (

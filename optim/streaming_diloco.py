@@ -36,7 +36,7 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
-from shoal.comms.compressor import Compressor
+from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.diloco import _cast_like, _check_transformation
 from shoal.optim.inplace import run_if
@@ -347,15 +347,10 @@ def streaming_diloco(
                 local = optax.apply_updates(params_p, inner_p)
                 # All-reduce the distances from theta_g, not the models (as diloco).
                 diff = [g - x for g, x in zip(theta_p, local)]
-                if exchange is None:
-                    delta = _cast_like(collective.all_reduce(tuple(diff), "mean"), tuple(theta_p))
-                else:
-                    vec = jnp.concatenate([jnp.ravel(d).astype(jnp.float32) for d in diff])
-                    y, memory = exchange.mean(vec, memory, collective=collective)
-                    delta, start = [], 0
-                    for g in theta_p:
-                        delta.append(y[start : start + g.size].reshape(g.shape).astype(g.dtype))
-                        start += g.size
+                delta, memory, _ = tree_mean(
+                    tuple(diff), memory, collective=collective, exchange=exchange
+                )
+                delta = list(_cast_like(delta, tuple(theta_p)))
                 theta_tree = fragment_tree(treedef, n_leaves, idx, theta_p)
                 u, new_outer = outer.update(
                     fragment_tree(treedef, n_leaves, idx, delta), outer_state, theta_tree
