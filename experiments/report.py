@@ -140,7 +140,20 @@ def _styles(names: Sequence[str], found: dict[str, str]) -> dict[str, tuple[Any,
 
 
 def _label(name: str, found: dict[str, str]) -> str:
-    return f"{name} (same curve as {found[name]})" if name in found else name
+    shown = wrap_entry(name)
+    return f"{shown} (same curve as {wrap_entry(found[name])})" if name in found else shown
+
+
+def wrap_entry(name: str, width: int = 32) -> str:
+    """A long registry entry over several lines, one override per line after the first
+    (``streaming_diloco[a=1;b=2]`` -> ``streaming_diloco[a=1;`` / ``  b=2]``), so that a
+    legend of long entries does not squeeze the axes beside it."""
+    if len(name) <= width or "[" not in name:
+        return name
+    head, _, rest = name.partition("[")
+    parts = rest.removesuffix("]").split(";")
+    lines = [f"{head}[{parts[0]}"] + [f"  {p}" for p in parts[1:]]
+    return ";\n".join(lines) + "]"
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -205,6 +218,9 @@ def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str
         top = max((max(c[0]) for c in raw.values() if c[0]), default=1.0)
         low = min((min(c[0]) for c in raw.values() if c[0]), default=top)
         left = 10 ** math.ceil(math.log10(top) - BYTE_DECADES)
+        # ... but every run's last decade stays in view, however few bytes it sent
+        least = min((max(c[0]) for c in raw.values() if c[0]), default=top)
+        left = min(left, 10 ** math.floor(math.log10(least)))
         if low < left:
             ax_test.set_xlim(left=left)
             note = f"\n(log scale from {left:g} MB"
