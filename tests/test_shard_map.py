@@ -28,6 +28,9 @@ pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="one process, 8 host d
 
 # Same arithmetic on both engines: permutations, gathers and element-wise updates.
 EXACT = {"gtc", "gtc_unguarded", "gtc_nan", "peer", "sma", "bmuf_gtc", "gtc_skip_two_tier"}
+# PowerSGD orthonormalises sums of products, which the engines reassociate: its error
+# buffer's near-zero entries differ by ~1e-6 absolute.
+ATOL = {"powersgd": 1e-5, "powersgd_nan": 1e-5}
 
 
 def host_devices_env(count: int = 8) -> dict[str, str]:
@@ -71,7 +74,7 @@ def test_shard_map_matches_vmap(results, case):
         if case in EXACT:
             np.testing.assert_array_equal(b, a, err_msg=key)
         else:
-            np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=ATOL.get(case, 1e-6), err_msg=key)
 
 
 def test_nan_cases_skip_the_bad_step(results):

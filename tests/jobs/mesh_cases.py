@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shoal import optim
-from shoal.comms import AxisCollective
+from shoal.comms import AxisCollective, Quantized, TopK
 
 N = 4
 STEPS = 7
@@ -51,9 +51,25 @@ FLAT = {
         optax.chain(optim.allreduce_gradients(collective=coll, nonfinite=None), sgd),
         collective=coll,
     ),
+    "diloco": lambda: optim.diloco(sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7)),
+    "diloco_fp4": lambda: optim.diloco(
+        sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7), exchange=Quantized("fp4", 8)
+    ),
+    "streaming_diloco": lambda: optim.streaming_diloco(
+        sgd,
+        collective=coll,
+        sync_every=4,
+        outer=optax.sgd(0.7),
+        num_fragments=2,
+        overlap=1,
+        exchange=TopK(fraction=0.5, chunk_size=4),
+    ),
+    "topk": lambda: optax.chain(optim.topk(0.25, collective=coll, chunk_size=4), sgd),
+    "powersgd": lambda: optax.chain(optim.powersgd(2, collective=coll, min_compression=1.0), sgd),
+    "demo": lambda: optax.chain(optim.demo(collective=coll, chunk_size=4, topk=3), sgd),
 }
 # A NaN in one worker's gradient: every branch of the skip runs under shard_map's checks.
-for _name in ("ssgd", "gtc", "bmuf", "onebit_lamb", "skip_nonfinite"):
+for _name in ("ssgd", "gtc", "bmuf", "onebit_lamb", "skip_nonfinite", "diloco", "powersgd"):
     FLAT[_name + "_nan"] = FLAT[_name]
 TIERS = {
     "bmuf_gtc": lambda: optim.bmuf_gtc(sgd, intra=intra, inter=inter, block_size=3, threshold=0.05),
