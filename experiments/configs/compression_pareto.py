@@ -36,14 +36,14 @@ COMMON = dict(
     workers=8,
     eval_every=25,
     project_workers=64,
-    gtc_threshold=0.01,
+    gtc_threshold=0.1,
     gtc_capacity=0.05,
     lamb_learning_rate=1e-3,
     lamb_lr_decay="cosine",
     onebit_freeze_fraction=0.15,
     diloco_sync_every=10,
     diloco_inner_lr=1e-3,
-    demo_lr=1e-3,
+    demo_lr=0.01,
     demo_momentum=0.9,
 )
 
