@@ -44,13 +44,8 @@ from jax import lax
 
 from shoal.comms.collective import Collective
 from shoal.comms.compressor import Compressor, check_error, check_vector, two_phase_mean
-from shoal.kernels.quant_reference import (
-    BITS,
-    check_block,
-    check_format,
-    dequantize_reference,
-    quantize_reference,
-)
+from shoal.kernels.quant import dequantize, quantize
+from shoal.kernels.quant_reference import BITS, check_block, check_format
 
 __all__ = [
     "Quantized",
@@ -77,6 +72,8 @@ class Quantized(Compressor):
       fmt: ``"int8"``, ``"fp8"`` or ``"fp4"``.
       block: positive int, the values per scale (even for ``"fp4"``); default 128.
       error_feedback: keep the worker and server errors (default True).
+      impl: quantization kernel, as for :func:`shoal.kernels.quantize` (None: Pallas on
+        GPU, the jnp reference elsewhere).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -92,6 +89,7 @@ class Quantized(Compressor):
 
     fmt: str = "fp4"
     block: int = DEFAULT_BLOCK
+    impl: str | None = None
 
     def __post_init__(self):
         check_block(self.block, check_format(self.fmt))
@@ -104,7 +102,7 @@ class Quantized(Compressor):
 
     def encode(self, v: jax.Array) -> jax.Array:
         rows = v.shape[0]
-        codes, scales = quantize_reference(v.reshape(-1), self.fmt, self.block)
+        codes, scales = quantize(v.reshape(-1), self.fmt, self.block, impl=self.impl)
         raw = lax.bitcast_convert_type(scales.reshape(rows, -1), jnp.uint8)  # [r, blocks, 4]
         return jnp.concatenate([codes.reshape(rows, -1), raw.reshape(rows, -1)], axis=-1)
 
@@ -112,7 +110,7 @@ class Quantized(Compressor):
         code_bytes = c * BITS[self.fmt] // 8
         raw = rows[:, code_bytes:].reshape(rows.shape[0], -1, _SCALE_BYTES)
         scales = lax.bitcast_convert_type(raw, jnp.float32)
-        return dequantize_reference(rows[:, :code_bytes], scales, self.fmt, self.block)
+        return dequantize(rows[:, :code_bytes], scales, self.fmt, self.block, impl=self.impl)
 
 
 def quantized_allreduce_padded_size(n: int, size: int, block: int = DEFAULT_BLOCK) -> int:

@@ -33,10 +33,9 @@ low nibble of byte ``k``, value ``2 k + 1`` in the high nibble; a nibble is
 pattern). So fp4 blocks must have an even length. Non-finite inputs make their block's
 scale, and so its decoded values, non-finite.
 
-A Pallas kernel would pay mostly for fp4 (the nibble packing and grid rounding are a
-handful of elementwise passes XLA does not always fuse with the block max); it would
-take a ``[rows, block]`` tile, reduce the absmax in registers, and write codes and scale
-in one pass, with the jnp code here as its bit-exact reference.
+`shoal.kernels.quant_pallas` is the Pallas kernel of the same formats (a ``[rows, block]``
+tile per program, the absmax reduced in registers, codes and scale written in one pass),
+bit-exact with this reference; `shoal.kernels.quantize` picks it on GPU.
 
 References:
     P. Micikevicius et al., "FP8 Formats for Deep Learning", arXiv:2209.05433 (2022).
