@@ -13,7 +13,10 @@ over the run. BFB reduces the gradient through balanced fusion buffers (here one
 the model is small); PGX averages one of two bins of leaves per step; peer averaging
 exchanges models with one peer per step; SMA pulls every model a tenth of the way to the
 mean; adaptive switches from S-SGD to PGX once the gradient noise scale passes a
-threshold.
+threshold. DiLoCo (inner AdamW, outer Nesterov SGD every 10 steps) and Streaming DiLoCo
+(4 fragments syncing in turn), top-k with error feedback (1% of each chunk of 64),
+PowerSGD (rank 4) and DeMo (sign of the mean decoupled momentum, SGD at ``demo_lr``)
+complete the table.
 """
 
 from shoal.experiments.config import Config
@@ -34,6 +37,11 @@ def get_config() -> Config:
             "peer",
             "sma",
             "adaptive",
+            "diloco",
+            "streaming_diloco",
+            "topk",
+            "powersgd",
+            "demo",
         ),  # fmt: skip
         workers=8,
         steps=200,
@@ -54,4 +62,5 @@ def get_config() -> Config:
         policy_after=100,
         # The table's projected step time: 128 workers, 8 per node, 25 Gbps between nodes.
         project_workers=128,
+        demo_lr=0.01,
     )
