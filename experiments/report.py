@@ -194,12 +194,19 @@ def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str
         test[name] = ([r[x] for r in ev], [r["test_loss"] for r in ev])
     found = twins(train, test)
     styles = _styles(names, found)
+    # A diverged run (loss far above every run's start) would flatten all the others
+    # against the bottom: cap the axis at twice the highest starting loss, and say so.
+    start = max((c[1][0] for c in train.values() if c[1]), default=1.0)
+    cap = 2 * start
+    off = {n for n in names if max(raw[n][1] + test[n][1], default=0) > cap}
     fig = Figure(figsize=(10.5, 4.4), layout="constrained")
     ax_train, ax_test = fig.subplots(1, 2, sharey=True, sharex=log_x)
     for name in names:
         ls, marker = styles[name]
         z = 3 if name in found else 2
         label = _label(name, found)
+        if name in off:
+            label += f"\n  (diverged, off the scale: max {max(raw[name][1] + test[name][1]):.3g})"
         if log_x and not train[name][0]:
             label += " (no bytes sent: not shown)"
         ax_train.plot(*raw[name], color=colors[name], lw=0.6, alpha=0.15, zorder=1,
@@ -234,6 +241,8 @@ def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
     ax_train.set_ylabel("cross-entropy loss")
+    if off:
+        ax_train.set_ylim(top=cap)
     handles = [h for h in ax_train.get_lines() if h.get_zorder() > 1]
     fig.legend(handles=handles, **LEGEND)
     fig.savefig(path, dpi=120)
