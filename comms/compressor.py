@@ -232,11 +232,7 @@ def two_phase_mean(
         worker_error = v - codec.decode(rows, chunk).reshape(n_pad)
 
     parts = codec.decode(collective.all_to_all(rows), chunk)  # [P, c]: my chunk, by source
-    # Sum in source order (a fixed order, whatever the engine), then average.
-    m = parts[0]
-    for j in range(1, size):
-        m = m + parts[j]
-    m = m / jnp.float32(size)
+    m = _mean_in_source_order(parts)
     if server_error is not None:
         m = m + server_error
 
@@ -246,6 +242,15 @@ def two_phase_mean(
         server_error = m - codec.decode(mine, chunk)[0]
     y = codec.decode(collective.all_gather(mine[0]), chunk)
     return y.reshape(n_pad)[:n], worker_error, server_error
+
+
+def _mean_in_source_order(parts: jax.Array) -> jax.Array:
+    # Added row by row in source order, a fixed order whatever the engine, so every
+    # engine and the NumPy oracles agree bit for bit.
+    total = parts[0]
+    for j in range(1, parts.shape[0]):
+        total = total + parts[j]
+    return total / jnp.float32(parts.shape[0])
 
 
 def _all_gather_mean(codec: Compressor, x, memory, collective) -> tuple[jax.Array, tuple]:
@@ -259,10 +264,7 @@ def _all_gather_mean(codec: Compressor, x, memory, collective) -> tuple[jax.Arra
     if memory:
         memory = (v - codec.decode(row, n_pad)[0],)
     parts = codec.decode(collective.all_gather(row[0]), n_pad)  # [P, n_pad], by source
-    y = parts[0]
-    for j in range(1, size):
-        y = y + parts[j]
-    return (y / jnp.float32(size))[:n], memory
+    return _mean_in_source_order(parts)[:n], memory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

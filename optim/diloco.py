@@ -161,20 +161,7 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
       Models", arXiv:2311.08105, 2023.
     """
-    check_collective(collective)
-    check_nonfinite(nonfinite)
-    _check_transformation("inner", inner)
-    _check_transformation("outer", outer)
-    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)):
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    if sync_every < 1:
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    sync_every = int(sync_every)
-    if exchange is not None and not isinstance(exchange, Compressor):
-        raise ValueError(
-            "exchange must be None or a shoal.comms.Compressor (e.g. Quantized('fp4')), "
-            f"got {type(exchange).__name__}"
-        )
+    sync_every = check_outer_args(collective, nonfinite, inner, outer, sync_every, exchange)
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
 
@@ -243,6 +230,25 @@ def diloco(
     return optax.GradientTransformationExtraArgs(
         init_fn, checked("diloco", DiLoCoState, guarded, lambda s: s.global_params)
     )
+
+
+def check_outer_args(collective, nonfinite, inner, outer, sync_every, exchange) -> int:
+    """The arguments `diloco` and `streaming_diloco` share, checked; ``sync_every`` as an
+    int."""
+    check_collective(collective)
+    check_nonfinite(nonfinite)
+    _check_transformation("inner", inner)
+    _check_transformation("outer", outer)
+    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)):
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    if exchange is not None and not isinstance(exchange, Compressor):
+        raise ValueError(
+            "exchange must be None or a shoal.comms.Compressor (e.g. Quantized('fp4')), "
+            f"got {type(exchange).__name__}"
+        )
+    return int(sync_every)
 
 
 def _exchange_init(exchange: Compressor | None, params: Any, size: int) -> tuple:

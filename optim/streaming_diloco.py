@@ -38,11 +38,10 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.diloco import _cast_like, _check_transformation
+from shoal.optim.diloco import _cast_like, check_outer_args
 from shoal.optim.inplace import run_if
-from shoal.optim.nonfinite import check_nonfinite, guard
+from shoal.optim.nonfinite import guard
 from shoal.optim.validation import (
-    check_collective,
     check_floating_leaves,
     checked,
     require_params,
@@ -240,15 +239,7 @@ def streaming_diloco(
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
       Distributed Free Lunch", arXiv:2501.18512, 2025.
     """
-    check_collective(collective)
-    check_nonfinite(nonfinite)
-    _check_transformation("inner", inner)
-    _check_transformation("outer", outer)
-    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)):
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    if sync_every < 1:
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    sync_every = int(sync_every)
+    sync_every = check_outer_args(collective, nonfinite, inner, outer, sync_every, exchange)
     _check_num_fragments(num_fragments)
     num_fragments = int(num_fragments)
     if (
@@ -266,11 +257,6 @@ def streaming_diloco(
     if not 0.0 <= float(mix) <= 1.0:
         raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
     mix = float(mix)
-    if exchange is not None and not isinstance(exchange, Compressor):
-        raise ValueError(
-            f"exchange must be None or a shoal.comms.Compressor (e.g. Quantized('fp4')), "
-            f"got {type(exchange).__name__}"
-        )
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
     offsets = [p * sync_every // num_fragments for p in range(num_fragments)]
