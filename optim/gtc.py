@@ -37,7 +37,10 @@ class GTCState(NamedTuple):
     """State of `gtc`.
 
     Attributes:
-      residual: param-shaped float32 tree, everything not sent yet.
+      residual: float32[n], everything not sent yet, flat: the params' leaves raveled
+        and concatenated in ``jax.tree.leaves`` order (the order of the exchanged
+        buffer; `residual_tree` gives it the params' shapes). Kept flat so that a step
+        does not concatenate and split it again.
       offset: int32 start of the cyclic selection window for the next step.
       skipped: int32 count of steps skipped because some worker's gradient was not finite.
       sent: int32 elements this worker sent in the most recent update (its density is
@@ -153,10 +156,9 @@ def gtc(
     def init_fn(params):
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
-        layout(params)
-        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        _, n = layout(params)
         return GTCState(
-            residual=residual,
+            residual=jnp.zeros((n,), jnp.float32),
             offset=jnp.zeros((), jnp.int32),
             skipped=jnp.zeros((), jnp.int32),
             sent=jnp.zeros((), jnp.int32),
@@ -168,62 +170,95 @@ def gtc(
         check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
         sizes, n = layout(updates)
+        if n != state.residual.shape[-1]:
+            raise ValueError(
+                f"gtc: the gradient (updates) has {n} elements, but the params given to "
+                f"init had {state.residual.shape[-1]}"
+            )
         if n == 0:
             return updates, state
         cap = resolve_capacity(capacity, n)
         tau = jnp.asarray(threshold, jnp.float32)
 
         check_sharded_alike("gtc", leaves, collective)
-        g = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-        r = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state.residual)])
-        a = g + r
+        r = state.residual
+        # a = g + r, added leaf by leaf inside the concatenation so that XLA writes the flat
+        # buffer in one fused pass rather than materialising the flat gradient first.
+        a = jnp.concatenate(
+            [jnp.ravel(x).astype(jnp.float32) + p for x, p in zip(leaves, _split(r, sizes))]
+        )
         words, count, remainder = gtc_pack(a, tau, cap, state.offset)
 
-        if nonfinite is None:
-            header = count.astype(jnp.int32)
-        else:
-            bad_here = worker_max(any_nonfinite(g), collective)  # any shard of the worker
-            header = jnp.where(bad_here, -1, count).astype(jnp.int32)
+        header = count.astype(jnp.int32)
+        if nonfinite is not None:
+            # The residual is finite (a skipped step keeps it), so a is finite iff g is.
+            bad_here = worker_max(any_nonfinite(a), collective)  # any shard of the worker
+            header = jnp.where(bad_here, -1, header)
         gathered = collective.all_gather(jnp.concatenate([header[None], words]))
         counts = gathered[:, 0]
-        bad = jnp.sum(counts < 0, dtype=jnp.int32)
-        report(bad, n_workers, nonfinite)
-        all_finite = bad == 0
-
         total = gtc_unpack(gathered[:, 1:], jnp.maximum(counts, 0), tau, n)
         if average:
             total = total / n_workers
-        total = jnp.where(all_finite, total, 0.0)
-        new_r = jnp.where(all_finite, remainder, r)
-
-        out = _split_like(total, sizes, leaves)
-        residual = jax.tree.unflatten(
-            jax.tree.structure(state.residual),
-            [p.reshape(x.shape) for p, x in zip(_split(new_r, sizes), leaves)],
-        )
+        bad = jnp.sum(counts < 0, dtype=jnp.int32)
+        ok = bad == 0
+        # Also without a check (no header is then negative): the select keeps XLA from
+        # folding the average into the optimizer's scaling differently on different
+        # engines, which would cost vmap and shard_map their bit-identical results.
+        total = jnp.where(ok, total, 0.0)
         # (cap words + 1 header) int32 per worker, all-gathered.
         wire = WireCount.of(*all_gather_bytes(4 * (cap + 1), n_workers))
         offset = ((state.offset.astype(jnp.uint32) + cap) % n).astype(jnp.int32)
-        offset = jnp.where(all_finite, offset, state.offset)
-        skipped = state.skipped + jnp.where(all_finite, 0, 1).astype(jnp.int32)
-        sent = jnp.where(all_finite, count, 0).astype(jnp.int32)
-        new_state = GTCState(residual, offset, skipped, sent, state.wire.record(wire))
-        return jax.tree.unflatten(treedef, out), new_state
+        new_state = GTCState(remainder, offset, state.skipped, header, state.wire.record(wire))
+        if nonfinite is not None:
+            report(bad, n_workers, nonfinite)
+            new_state = GTCState(
+                residual=jnp.where(ok, remainder, r),
+                offset=jnp.where(ok, offset, state.offset),
+                skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+                sent=jnp.where(ok, count, 0).astype(jnp.int32),
+                wire=new_state.wire,
+            )
+        return jax.tree.unflatten(treedef, _split_like(total, sizes, leaves)), new_state
 
-    return optax.GradientTransformationExtraArgs(
-        init_fn, checked("gtc", GTCState, update_fn, lambda s: s.residual)
-    )
+    return optax.GradientTransformationExtraArgs(init_fn, checked("gtc", GTCState, update_fn))
 
 
 def _split(flat, sizes):
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)
-    return [flat[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [flat[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def _split_like(flat, sizes, leaves):
     return [p.reshape(x.shape).astype(x.dtype) for p, x in zip(_split(flat, sizes), leaves)]
+
+
+def residual_tree(state: GTCState, params: Any) -> Any:
+    """``state.residual`` with the tree structure and leaf shapes of ``params``.
+
+    Args:
+      state: a `GTCState` (of one worker, or stacked over leading worker dimensions).
+      params: the params (or gradient) tree given to ``init``, or their shapes.
+
+    Returns:
+      a float32 tree like ``params``; stacked states keep their leading dimensions.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective
+      >>> from shoal.optim import gtc
+      >>> from shoal.optim.gtc import residual_tree
+      >>> params = {"b": jnp.zeros(2), "w": jnp.zeros((2, 3))}
+      >>> state = gtc(0.5, collective=AxisCollective("w", 1)).init(params)
+      >>> jax.tree.map(jnp.shape, residual_tree(state, params))
+      {'b': (2,), 'w': (2, 3)}
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    sizes = [int(math.prod(jnp.shape(x))) for x in leaves]
+    lead = state.residual.shape[:-1]
+    parts = [p.reshape(*lead, *jnp.shape(x)) for p, x in zip(_split(state.residual, sizes), leaves)]
+    return jax.tree.unflatten(treedef, parts)
 
 
 def sent_fraction(opt_state: Any) -> jax.Array | None:
