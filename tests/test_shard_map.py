@@ -27,7 +27,11 @@ import sharded_workers  # noqa: E402
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="one process, 8 host devices")
 
 # Same arithmetic on both engines: permutations, gathers and element-wise updates.
-EXACT = {"gtc", "gtc_unguarded", "gtc_nan", "peer", "sma", "bmuf_gtc", "gtc_skip_two_tier"}
+EXACT = {"gtc", "gtc_unguarded", "gtc_nan", "peer", "sma", "bmuf_gtc"}
+# Two-tier GTC under the skip guard: the same arithmetic, but the two engines' compiled
+# programs round an element 1 ulp apart (seen since the scan trainer and gtc's flat
+# residual), so it is held to 1 ulp.
+ATOL_ULP = {"gtc_skip_two_tier"}
 # PowerSGD orthonormalises sums of products, which the engines reassociate: its error
 # buffer's near-zero entries differ by ~1e-6 absolute.
 ATOL = {"powersgd": 1e-5, "powersgd_nan": 1e-5}
@@ -73,6 +77,8 @@ def test_shard_map_matches_vmap(results, case):
         assert a.shape == b.shape and a.dtype == b.dtype, key
         if case in EXACT:
             np.testing.assert_array_equal(b, a, err_msg=key)
+        elif case in ATOL_ULP:
+            np.testing.assert_array_max_ulp(b, a, maxulp=1)
         else:
             np.testing.assert_allclose(b, a, rtol=2e-5, atol=ATOL.get(case, 1e-6), err_msg=key)
 

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shoal import optim
-from shoal.comms import AxisCollective, Quantized, TopK
+from shoal.comms import AxisCollective, Quantized, TopK, vma
 
 N = 4
 STEPS = 7
@@ -100,12 +101,27 @@ def data(nan: bool):
 
 
 def trainer(tx):
+    """Train on a list of gradients, one step each, in a ``lax.scan``: a step is compiled
+    once, not once per step."""
+
+    def step(carry, g):
+        params, state = carry
+        updates, state = tx.update(g, state, params)
+        new = (optax.apply_updates(params, updates), state)
+        return jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new, carry)
+
     def train(params, grads):
-        state = tx.init(params)
-        for g in grads:
-            updates, state = tx.update(g, state, params)
-            params = optax.apply_updates(params, updates)
-        return params, state
+        carry = (params, tx.init(params))
+        stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
+        # Under shard_map the carry must vary over the same mesh axes in every step: widen
+        # it to what a step makes of it (a no-op under vmap).
+        first = jax.tree.map(lambda a: a[0], stacked)
+        axes = vma.joint(carry, jax.eval_shape(step, carry, first))
+        while vma.joint(widened := vma.vary_as(carry, axes)) != vma.joint(carry):
+            carry = widened
+            axes = vma.joint(carry, jax.eval_shape(step, carry, first))
+        carry, _ = lax.scan(lambda c, g: (vma.vary_as(step(c, g), axes), None), carry, stacked)
+        return carry
 
     return train
 
