@@ -142,6 +142,7 @@ def gtc(
     check_positive("threshold", threshold)
     resolve_capacity(capacity, 1)  # type and range checks before any data is seen
     n_workers = collective.size
+    inits: set = set()  # (treedef, leaf shapes) of the params given to init
 
     def layout(tree):
         sizes = [int(math.prod(x.shape)) for x in jax.tree.leaves(tree)]
@@ -157,6 +158,10 @@ def gtc(
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
         _, n = layout(params)
+        # The flat residual has no tree structure of its own: `update` checks the
+        # gradient's against those seen here.
+        leaves, treedef = jax.tree.flatten(params)
+        inits.add((treedef, tuple(jnp.shape(x) for x in leaves)))
         return GTCState(
             residual=jnp.zeros((n,), jnp.float32),
             offset=jnp.zeros((), jnp.int32),
@@ -170,10 +175,14 @@ def gtc(
         check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
         sizes, n = layout(updates)
-        if n != state.residual.shape[-1]:
+        shapes = (treedef, tuple(jnp.shape(x) for x in leaves))
+        if n != state.residual.shape[-1] or (inits and shapes not in inits):
+            show = lambda d, sh: str(jax.tree.unflatten(d, [tuple(x) for x in sh]))
+            expected = " or ".join(show(*i) for i in inits) or "the params given to init"
             raise ValueError(
-                f"gtc: the gradient (updates) has {n} elements, but the params given to "
-                f"init had {state.residual.shape[-1]}"
+                f"gtc: the gradient (updates) must have the tree structure and leaf shapes "
+                f"of the params given to init, {expected} ({state.residual.shape[-1]} "
+                f"elements); got {show(*shapes)} ({n} elements)"
             )
         if n == 0:
             return updates, state
@@ -199,18 +208,15 @@ def gtc(
         total = gtc_unpack(gathered[:, 1:], jnp.maximum(counts, 0), tau, n)
         if average:
             total = total / n_workers
-        bad = jnp.sum(counts < 0, dtype=jnp.int32)
-        ok = bad == 0
-        # Also without a check (no header is then negative): the select keeps XLA from
-        # folding the average into the optimizer's scaling differently on different
-        # engines, which would cost vmap and shard_map their bit-identical results.
-        total = jnp.where(ok, total, 0.0)
         # (cap words + 1 header) int32 per worker, all-gathered.
         wire = WireCount.of(*all_gather_bytes(4 * (cap + 1), n_workers))
         offset = ((state.offset.astype(jnp.uint32) + cap) % n).astype(jnp.int32)
         new_state = GTCState(remainder, offset, state.skipped, header, state.wire.record(wire))
         if nonfinite is not None:
+            bad = jnp.sum(counts < 0, dtype=jnp.int32)
             report(bad, n_workers, nonfinite)
+            ok = bad == 0
+            total = jnp.where(ok, total, 0.0)
             new_state = GTCState(
                 residual=jnp.where(ok, remainder, r),
                 offset=jnp.where(ok, offset, state.offset),

@@ -10,7 +10,7 @@ from harness import n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, wire_bytes
 from shoal.optim import gtc
-from shoal.optim.gtc import resolve_capacity
+from shoal.optim.gtc import residual_tree, resolve_capacity
 
 N = n_workers()
 SHAPES = {"b": (7,), "w": (5, 6)}  # flattened in key order: b then w, n = 37
@@ -193,3 +193,23 @@ def test_integer_gradients_rejected():
 def test_collective_must_not_be_callable():
     with pytest.raises(TypeError, match="not a callable"):
         gtc(0.1, collective=lambda x: x)
+
+
+def test_mismatched_gradient_is_refused():
+    # The residual is one flat buffer, so a gradient of the same size but other leaves would
+    # be added to the wrong elements: refused, naming both layouts.
+    tx = gtc(0.5, collective=AxisCollective("w", 1))
+    state = jax.vmap(tx.init)({"a": jnp.zeros((1, 2)), "b": jnp.zeros((1, 2, 3))})
+    update = jax.vmap(tx.update, axis_name="w")
+    same_size = {"a": jnp.zeros((1, 3)), "b": jnp.zeros((1, 5))}
+    with pytest.raises(
+        ValueError, match=r"gtc: .*\{'a': \(2,\), 'b': \(2, 3\)\}.*got \{'a': \(3,\)"
+    ):
+        update(same_size, state)
+    with pytest.raises(ValueError, match=r"gtc: .*got \{'a': \(2,\)\} \(2 elements\)"):
+        update({"a": jnp.zeros((1, 2))}, state)
+    # The flat residual maps back to the params' leaves, stacked over the workers.
+    flat = jnp.arange(8.0)[None]
+    tree = residual_tree(state._replace(residual=flat), {"a": jnp.zeros(2), "b": jnp.zeros((2, 3))})
+    np.testing.assert_array_equal(tree["a"], [[0, 1]])
+    np.testing.assert_array_equal(tree["b"], [[[2, 3, 4], [5, 6, 7]]])
