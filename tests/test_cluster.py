@@ -39,7 +39,7 @@ def test_probe_two_hosts(available):
     env = {**os.environ, **netns.MPICH_ENV, "JAX_PLATFORMS": "cpu"}
     with netns.ShapedNetwork(hosts=2, rate_mbit=200) as net:
         cmd = [str(available), *net.mpiexec_args(), "-n", "2", sys.executable,
-               str(CLUSTER / "probe.py"), "--mbytes", "2"]  # fmt: skip
+               str(CLUSTER / "probe.py"), "--mbytes", "3", "--reps", "5"]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
