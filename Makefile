@@ -14,11 +14,6 @@ MPI_RANKS ?= 4
 # process, so module fixtures that start jobs are not run twice).
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
-# The tests compile the same XLA programs in many processes (the runner's subprocesses, the
-# MPI ranks, the notebooks): one persistent compilation cache for all of them takes about
-# 40% off `make test`. JAX keys its entries by program, jax version, backend and flags.
-TEST_JAX_CACHE ?= $(CURDIR)/.cache/jax
-TEST_ENV := JAX_COMPILATION_CACHE_DIR=$(TEST_JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 .PHONY: run test test-sim test-nb test-mpi bench bench-cluster study lint clean venv
 
@@ -37,15 +32,15 @@ run: $(STAMP)
 test: test-sim test-nb test-mpi
 
 test-sim: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
 
 # The notebooks, executed top to bottom at a reduced size.
 test-nb: $(STAMP)
-	$(TEST_ENV) SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks
+	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks
 
 # Rank-agnostic tests again, one worker per MPI rank; the timeout turns a deadlock into a failure.
 test-mpi: $(STAMP)
-	$(TEST_ENV) timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) \
+	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) \
 		$(PY) -m pytest -q -m mpi -p no:cacheprovider tests
 
 # Every benchmarks/*.py (how each is launched: LAUNCH in run_all.py), each with a timeout;

@@ -236,8 +236,6 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     """Projected communication seconds per timed step of each algorithm (the same config,
     its collectives recorded by `record_events` and timed on ``cluster``), and the
     forward+backward seconds of one local batch in this process alone."""
-    import dataclasses as dc
-
     from shoal.comms import record_events, step_comm_time
     from shoal.experiments import algorithms
     from shoal.experiments.config import apply_overrides, load_config
@@ -245,7 +243,7 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     from shoal.experiments.tasks import make_task
 
     cfg = apply_overrides(load_config(CONFIG), setup.overrides(algorithms_))
-    cfg = dc.replace(cfg, workers=setup.hosts)
+    cfg = dataclasses.replace(cfg, workers=setup.hosts)
     task = make_task(cfg)
     params = task.init_params()
     context = algorithms.BuildContext(task=task)
