@@ -29,3 +29,20 @@ def typed_array(x: Any, dtype: Any, name: str) -> jax.Array:
         if got != dtype:
             raise TypeError(f"{name} must be {jnp.dtype(dtype).name}, got dtype {got}")
     return jnp.asarray(x)
+
+
+def batched(fn: Any) -> Any:
+    """``fn`` with a vmap rule that calls it on the stacked arrays (the Pallas wrappers take
+    leading dimensions natively), instead of pallas_call's generic grid batching."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = [
+            x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+            for x, batched in zip(args, in_batched, strict=True)
+        ]
+        out = wrapped(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped

@@ -106,7 +106,7 @@ def quantize(
 def _quantize(values, *, fmt, block, use_pallas):
     if use_pallas:
         interpret = jax.default_backend() != "gpu"
-        return _batched(
+        return dispatch.batched(
             functools.partial(quantize_pallas, fmt=fmt, block=block, interpret=interpret)
         )(values)
     return quantize_reference(values, fmt, block)
@@ -163,24 +163,7 @@ def dequantize(
 def _dequantize(codes, scales, *, fmt, block, use_pallas):
     if use_pallas:
         interpret = jax.default_backend() != "gpu"
-        return _batched(
+        return dispatch.batched(
             functools.partial(dequantize_pallas, fmt=fmt, block=block, interpret=interpret)
         )(codes, scales)
     return dequantize_reference(codes, scales, fmt, block)
-
-
-def _batched(fn):
-    """``fn`` with a vmap rule that calls it on the stacked arrays (the Pallas wrappers take
-    leading dimensions natively), instead of pallas_call's generic grid batching."""
-    wrapped = jax.custom_batching.custom_vmap(fn)
-
-    @wrapped.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        args = [
-            x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
-            for x, batched in zip(args, in_batched, strict=True)
-        ]
-        out = wrapped(*args)
-        return out, jax.tree.map(lambda _: True, out)
-
-    return wrapped

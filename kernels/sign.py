@@ -84,7 +84,7 @@ def sign_pack(values: jax.Array, *, impl: str | None = None) -> tuple[jax.Array,
 @functools.partial(jax.jit, static_argnames=("use_pallas",))
 def _pack(values, *, use_pallas):
     if use_pallas:
-        bits = _batched(_pallas_pack)(values)
+        bits = dispatch.batched(_pallas_pack)(values)
     else:
         bits = sign_pack_reference(values)
     return bits, rms(values)
@@ -150,25 +150,9 @@ def sign_unpack(
 @functools.partial(jax.jit, static_argnames=("size", "use_pallas"))
 def _unpack(bits, scale, *, size, use_pallas):
     if use_pallas:
-        return _batched(functools.partial(_pallas_unpack, size=size))(bits, scale)
+        return dispatch.batched(functools.partial(_pallas_unpack, size=size))(bits, scale)
     return sign_unpack_reference(bits, scale, size)
 
 
 def _pallas_unpack(bits, scale, *, size):
     return sign_unpack_pallas(bits, scale, size, interpret=jax.default_backend() != "gpu")
-
-
-def _batched(fn):
-    """``fn`` with a vmap rule that calls it on the stacked arrays (the Pallas wrappers take
-    leading dimensions natively), instead of pallas_call's generic grid batching."""
-    wrapped = jax.custom_batching.custom_vmap(fn)
-
-    @wrapped.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        args = [
-            x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
-            for x, batched in zip(args, in_batched, strict=True)
-        ]
-        return wrapped(*args), True
-
-    return wrapped
