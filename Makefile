@@ -15,7 +15,7 @@ MPI_RANKS ?= 4
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-nb test-mpi bench bench-cluster study lint clean venv
+.PHONY: run test test-sim test-nb test-mpi notebooks bench bench-cluster study lint clean venv
 
 venv: $(STAMP)
 
@@ -34,9 +34,15 @@ test: test-sim test-nb test-mpi
 test-sim: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
 
-# The notebooks, executed top to bottom at a reduced size.
+# The notebooks, executed top to bottom at a reduced size. The committed .ipynb only: their
+# .py sources are not tests (tests/test_notebooks_sync.py checks that the two agree).
 test-nb: $(STAMP)
-	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks
+	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake \
+		notebooks/*.ipynb
+
+# Rewrite notebooks/*.ipynb (empty outputs) from their jupytext sources notebooks/NN_*.py.
+notebooks: $(STAMP)
+	$(PY) notebooks/build.py
 
 # Rank-agnostic tests again, one worker per MPI rank; the timeout turns a deadlock into a failure.
 test-mpi: $(STAMP)

@@ -17,7 +17,7 @@ time is the slowest rank's; medians):
 It prints the two ratios of issue 17 (``all_reduce / numpy``, ``compressed / all_reduce``),
 ``floor / all_reduce``, minor page faults per call, and the bytes each worker sends.
 
-Like ``shoal-run --backend mpi`` it runs with the heap kept (`shoal.experiments.malloc`;
+Like ``shoal-run --backend mpi`` it runs with the heap kept (`shoal.experiments.runner.malloc`;
 ``SHOAL_MALLOC=system`` for glibc's defaults, where every call page-faults its fresh
 result). Without mpiexec (one process) there is nobody to talk to: it says so and exits 0.
 """
@@ -30,7 +30,7 @@ import platform
 import resource
 import time
 
-from shoal.experiments.malloc import reexec_with_tunables
+from shoal.experiments.runner.malloc import reexec_with_tunables
 
 
 def main() -> None:

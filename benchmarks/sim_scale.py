@@ -15,7 +15,7 @@ device, so the input pipeline is excluded. ``--sizes`` takes widths or parameter
 
 For every (size, N) and every algorithm of `experiments/configs/quickstart.py` (with
 ``workers = N``), the step is built exactly as the runner builds it:
-``algorithms.build(entry, cfg, comms, BuildContext(task))`` (the config's non-finite check
+``algorithms.resolve(entry, cfg).build(comms, BuildContext(task))`` (the config's non-finite check
 ``skip_nonfinite`` included; two-tier ``bmuf_gtc`` gets ``backend.two_tier(group_size)``),
 ``SimBackend(N).spmd(make_step(task.loss, tx), group_size=...)``, then jitted once more
 with the parameters and optimizer state donated. The baseline is the same model, batch and
@@ -43,7 +43,7 @@ compiled donated step (``memory_analysis()``): arguments + outputs - aliased (do
 updated in place) + temporaries, divided by N.
 
 The grad_chunk table compares the runner's S-SGD step with all workers' gradients at once
-and with ``grad_chunk = K`` (`shoal.experiments.train.compile_step`): memory, ms/step
+and with ``grad_chunk = K`` (`shoal.experiments.runner.train.compile_step`): memory, ms/step
 (interleaved) and the largest difference of the parameters after the same steps. By
 default at the reference model (1M x 64, 32 examples per worker), whose peak is the
 update's (gradients and all-reduce buffers; the activations are small and dead by then),
@@ -76,10 +76,10 @@ from run_all import cpu_model  # benchmarks/ is on sys.path when this runs as a 
 
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import BuildContext, local_sgd
-from shoal.experiments.backends import SimBackend
 from shoal.experiments.config import ConfigError, apply_overrides, load_config
-from shoal.experiments.malloc import reexec_with_tunables
-from shoal.experiments.train import compile_step, make_step
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.malloc import reexec_with_tunables
+from shoal.experiments.runner.train import compile_step, make_step
 from shoal.optim import BMUFState
 from shoal.optim.onebit import OneBitLambState
 
@@ -309,19 +309,20 @@ class Case:
 
     def build(self, prog: Program):
         cfg = self.cfg
-        group_size = algorithms.group_size(prog.entry, cfg)
+        entry = algorithms.resolve(prog.entry, cfg)
+        group_size = entry.group_size
         if group_size is None:
             comms = self.backend.collective
         else:
             comms = self.backend.two_tier(group_size)
-        tx = algorithms.build(prog.entry, cfg, comms, BuildContext(task=self.task))
+        tx = entry.build(comms, BuildContext(task=self.task))
         step = self.backend.spmd(make_step(self.task.loss, tx), group_size=group_size)
         return tx, step, group_size
 
     def measure(self, prog: Program) -> None:
         labels = row_labels(prog, self.cfg)
         try:
-            algorithms.check_known((prog.entry,), self.cfg)
+            algorithms.resolve(prog.entry, self.cfg)
         except ConfigError as err:
             for key, _ in labels:
                 self.results[key] = float("nan")
@@ -391,7 +392,8 @@ class Case:
     def chunk(self, k: int, reps: int) -> dict[str, Any]:
         """The runner's S-SGD step, all workers' gradients at once vs ``k`` at a time."""
         cfg, backend = self.cfg, self.backend
-        tx = algorithms.build("ssgd", cfg, backend.collective, BuildContext(task=self.task))
+        ssgd = algorithms.resolve("ssgd", cfg)
+        tx = ssgd.build(backend.collective, BuildContext(task=self.task))
         out: dict[str, Any] = {"k": k, "case": self}
         runners = []
         for chunk in (0, k):

@@ -11,7 +11,6 @@ from shoal.comms.compressed import (
     compressed_allreduce_padded_size,
 )
 from shoal.comms.compressor import Compressor, Float32
-from shoal.comms.costmodel import Cluster, Event, Projection, project, step_comm_time
 from shoal.comms.fusion import (
     AtomicPlacement,
     FusionPlan,
@@ -33,6 +32,7 @@ from shoal.comms.recording import RecordingCollective, record_events
 from shoal.comms.servers import ParameterServers, ServerStats
 from shoal.comms.topk import TopK
 from shoal.comms.wire import ByteCount, WireCount, WireMeter, tree_nbytes, wire_bytes
+from shoal.costmodel import Cluster, Event, Projection, project, step_comm_time
 
 __all__ = [
     "REDUCE_OPS",

@@ -24,10 +24,10 @@ def _describe(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
 def check_same_structure(tree: Any, collective: Any, *, name: str = "params") -> None:
     """Check that every worker holds a ``tree`` of the same structure as worker 0's.
 
-    With MPI this is one ``allgather`` of the description (paths, shapes, dtypes) on the
-    collective's communicator: call it on every worker at the same point, outside
-    running computations. Simulated workers (`AxisCollective`) share one trace, so they
-    cannot differ: then it does nothing.
+    One `Collective.host_allgather` of the description (paths, shapes, dtypes): with MPI
+    an ``allgather`` on the communicator, so call it on every worker at the same point,
+    outside running computations. Simulated workers (`AxisCollective`) share one trace,
+    so they cannot differ: then nothing is sent.
 
     Args:
       tree: this worker's pytree, e.g. its parameters.
@@ -51,13 +51,7 @@ def check_same_structure(tree: Any, collective: Any, *, name: str = "params") ->
       Traceback (most recent call last):
       ValueError: ...
     """
-    comm = getattr(collective, "comm", None)
-    if comm is None:
-        return
-    # mpi4jax may still be running an earlier computation on this communicator: MPI
-    # forbids two collectives on one communicator at once.
-    jax.effects_barrier()
-    everyone = comm.allgather(_describe(tree))
+    everyone = collective.host_allgather(_describe(tree))
     ref = everyone[0]
     for rank, mine in enumerate(everyone[1:], start=1):
         if mine == ref:

@@ -188,6 +188,32 @@ class AxisCollective:
         self._check_axis()
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
 
+    def host_allgather(self, obj: Any) -> list[Any]:
+        """``[obj] * size``: the workers of an axis run one trace in one program, so on
+        the host they hold the same ``obj`` (nothing is sent).
+
+        Args:
+          obj: any Python value.
+
+        Returns:
+          a list of ``size`` references to ``obj``.
+        """
+        return [obj] * self.size
+
+    def host_broadcast(self, obj: Any, root: int = 0) -> Any:
+        """``obj`` itself: every worker of the axis already holds it (see
+        `host_allgather`).
+
+        Args:
+          obj: any Python value.
+          root: an int in ``[0, size)``.
+
+        Returns:
+          ``obj``.
+        """
+        check_root(root, self.size)
+        return obj
+
     def broadcast(self, tree: Any, root: int = 0) -> Any:
         """Every worker gets worker ``root``'s value of every leaf, bit for bit.
 

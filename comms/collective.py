@@ -23,7 +23,10 @@ class Collective(Protocol):
 
     A collective is a frozen, hashable, non-callable object with a static ``size`` and
     the methods ``rank``, ``uniform``, ``all_reduce``, ``all_gather``, ``all_to_all``,
-    ``broadcast`` and ``ppermute``, all traceable under ``jax.jit``. Engines:
+    ``broadcast`` and ``ppermute``, all traceable under ``jax.jit``; ``split`` for
+    two-tier groups; and two host-side agreements (``host_allgather``,
+    ``host_broadcast``) for checks and plans made outside ``jit``. `MEMBERS` lists
+    them all. Engines:
     `AxisCollective` (simulated workers under ``vmap``, or devices under
     ``shard_map``), `MPICollective` (MPI processes) and `RecordingCollective`
     (one process, logging what would be sent).
@@ -58,6 +61,42 @@ class Collective(Protocol):
     def ppermute(self, x: jax.Array, perm: Sequence[tuple[int, int]]) -> jax.Array:
         """Point-to-point exchange with JAX's ``perm`` convention: ``(source, dest)`` pairs;
         a worker that is nobody's destination receives zeros."""
+
+    def split(self, group_size: int) -> tuple[Collective, Collective]:
+        """``(intra, inter)``: collectives over groups of ``group_size`` consecutive
+        workers and over the workers with the same place in every group."""
+
+    def host_allgather(self, obj: Any) -> list[Any]:
+        """Every worker's Python ``obj``, by rank: host side, outside ``jit``, called by
+        every worker at the same point. Workers that share one trace (``vmap``) share
+        ``obj`` too, so engines that run them return ``[obj] * size`` without
+        communicating."""
+
+    def host_broadcast(self, obj: Any, root: int = 0) -> Any:
+        """Worker ``root``'s Python ``obj`` on every worker (host side, as
+        ``host_allgather``)."""
+
+
+# Every member an engine must have (the Protocol's, spelled out: Python 3.10 has no
+# public way to list them). `missing_members` checks a value against it.
+MEMBERS = (
+    "size",
+    "rank",
+    "uniform",
+    "all_reduce",
+    "all_gather",
+    "all_to_all",
+    "broadcast",
+    "ppermute",
+    "split",
+    "host_allgather",
+    "host_broadcast",
+)
+
+
+def missing_members(obj: Any) -> list[str]:
+    """The `MEMBERS` of the `Collective` protocol that ``obj`` lacks (empty: none)."""
+    return [m for m in MEMBERS if not hasattr(obj, m)]
 
 
 def check_op(op: str) -> str:

@@ -428,9 +428,9 @@ def _inner_jaxpr(eqn):
 def broadcast_order(order: Sequence[int], collective: Any) -> tuple[int, ...]:
     """Worker 0's ``order``, on every worker ("BFB without negotiation").
 
-    Host-side: call it on every worker at the same point, outside ``jit``. On MPI this
-    is one ``bcast`` on the collective's communicator; simulated workers share this
-    process and its order, which is returned as is.
+    Host-side (`Collective.host_broadcast`): call it on every worker at the same point,
+    outside ``jit``. On MPI this is one ``bcast`` on the communicator; simulated workers
+    share this process and its order, which is returned as is.
 
     Args:
       order: this worker's production order (leaf indices), e.g. from `gradient_order`.
@@ -448,7 +448,4 @@ def broadcast_order(order: Sequence[int], collective: Any) -> tuple[int, ...]:
       A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
       the Cloud", SC 2020, section III.
     """
-    comm = getattr(collective, "comm", None)
-    if comm is None:
-        return tuple(int(i) for i in order)
-    return tuple(int(i) for i in comm.bcast([int(i) for i in order], root=0))
+    return tuple(int(i) for i in collective.host_broadcast([int(i) for i in order], root=0))

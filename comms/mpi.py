@@ -8,7 +8,7 @@ bitcast to uint16 and back, so values arrive bit-exact.
 Speed: each call writes a fresh result buffer that XLA:CPU takes from ``malloc``. With
 glibc's defaults a result over 32 MB is mapped afresh and page-faulted on every call
 (``all_reduce`` of 16M float32 on 4 ranks: 1.7x mpi4py's ``Allreduce`` of NumPy arrays);
-with the heap kept (``GLIBC_TUNABLES`` as in `shoal.experiments.malloc`, which
+with the heap kept (``GLIBC_TUNABLES`` as in `shoal.experiments.runner.malloc`, which
 ``shoal-run --backend mpi`` sets) it is 1.1x. ``benchmarks/mpi_allreduce.py`` measures
 both.
 """
@@ -173,6 +173,19 @@ class MPICollective:
             return jnp.zeros_like(v)
 
         return _bit_move(move, x)
+
+    def host_allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (pickled), by rank: ``comm.allgather``."""
+        # mpi4jax may still be running an earlier computation on this communicator: MPI
+        # forbids two collectives on one communicator at once.
+        jax.effects_barrier()
+        return self.comm.allgather(obj)
+
+    def host_broadcast(self, obj: Any, root: int = 0) -> Any:
+        """Rank ``root``'s ``obj`` (pickled) on every rank: ``comm.bcast``."""
+        check_root(root, self.size)
+        jax.effects_barrier()
+        return self.comm.bcast(obj, root=root)
 
     def split(self, group_size: int) -> tuple[MPICollective, MPICollective]:
         """Two-tier collectives: ``intra`` over groups of ``group_size`` consecutive ranks,

@@ -6,7 +6,7 @@ values, and, when it executes, logs an `Event` ``(kind, group, nbytes)``. The lo
 written by a host callback at run time, so a ``lax.cond``/``lax.switch`` branch that is
 not taken logs nothing: `record_events` gives the real per-step sequence of collectives of
 BMUF's block steps, PGX's partitions or 1-bit LAMB's two stages, for any number of
-workers, at the cost of one worker's steps. `shoal.comms.costmodel` turns the sequence into
+workers, at the cost of one worker's steps. `shoal.costmodel` turns the sequence into
 time on a `Cluster`.
 """
 
@@ -101,6 +101,13 @@ class RecordingCollective:
         self._emit("ppermute", tree_nbytes(x))
         return x if any(d == 0 for _, d in pairs) else jnp.zeros_like(x)
 
+    def host_allgather(self, obj: Any) -> list[Any]:
+        return [obj] * self.size  # identical workers
+
+    def host_broadcast(self, obj: Any, root: int = 0) -> Any:
+        check_root(root, self.size)
+        return obj
+
     def split(self, group_size: int) -> tuple[RecordingCollective, RecordingCollective]:
         from shoal.comms.groups import check_group_size
 
@@ -168,12 +175,12 @@ def record_events(
       >>> import jax.numpy as jnp
       >>> from shoal.comms import record_events
       >>> from shoal.optim import allreduce_gradients
-      >>> make_tx = lambda c: allreduce_gradients(collective=c, nonfinite=None)
+      >>> make_tx = lambda c: allreduce_gradients(collective=c)
       >>> events = record_events(make_tx, {"w": jnp.zeros(1000)}, workers=8, steps=2)
       >>> events[1]
       [Event(kind='all_reduce', group='world', nbytes=4000)]
     """
-    from shoal.comms.costmodel import Event
+    from shoal.costmodel import Event
 
     if steps <= 0:
         return []

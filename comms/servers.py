@@ -151,6 +151,16 @@ class ParameterServers:
 
     # -- worker side ------------------------------------------------------------------
 
+    def check_workers(self, **tiers: Any) -> None:
+        """Refuse worker collectives these servers cannot serve, naming the keyword: the
+        server ranks exchange with MPI worker ranks of the same world, so every tier
+        given (None: absent) must be an `MPICollective`."""
+        for name, tier in tiers.items():
+            if tier is not None and not isinstance(tier, MPICollective):
+                raise ValueError(
+                    f"dedicated servers need MPI workers: {name} is a {type(tier).__name__}"
+                )
+
     def register(self, layout: Layout) -> int:
         """Worker 0 tells every server about ``layout`` (host-side, once per process);
         returns the tag its shards travel with. Called at trace time by every worker."""

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shoal.trees import find_instances
+
 _WORD = 1 << 32
 
 
@@ -182,8 +184,7 @@ class WireMeter(NamedTuple):
 
 
 def _meters(tree: Any) -> list[WireMeter]:
-    is_meter = lambda x: isinstance(x, WireMeter)
-    return [m for m in jax.tree.leaves(tree, is_leaf=is_meter) if is_meter(m)]
+    return find_instances(tree, WireMeter)
 
 
 def wire_bytes(opt_state: Any, which: Literal["total", "step"]) -> WireCount:
@@ -205,7 +206,7 @@ def wire_bytes(opt_state: Any, which: Literal["total", "step"]) -> WireCount:
       >>> import jax, jax.numpy as jnp
       >>> from shoal.comms import AxisCollective, wire_bytes
       >>> from shoal.optim import allreduce_gradients
-      >>> tx = allreduce_gradients(collective=AxisCollective("workers", 2), nonfinite=None)
+      >>> tx = allreduce_gradients(collective=AxisCollective("workers", 2))
       >>> def bytes_sent(g):
       ...     state = tx.init(g)
       ...     for _ in range(3):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from shoal.comms import ParameterServers, wire_bytes
-from shoal.optim import bfb_allreduce
+from shoal.optim import bfb_allreduce, skip_nonfinite
 
 ps = ParameterServers(2)  # collective: every rank constructs it
 if ps.is_server:
@@ -16,6 +16,7 @@ if ps.is_server:
 else:
     coll = ps.workers  # the workers alone: an MPICollective of W = size - 2 ranks
     tx = optax.chain(bfb_allreduce(collective=coll, servers=ps), optax.sgd(0.1))
+    tx = skip_nonfinite(tx, collective=coll)  # the non-finite flag: among the workers only
     loss = lambda w, x, y: jnp.mean((x @ w - y) ** 2)
 
     def step(w, state, x, y):

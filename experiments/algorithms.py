@@ -11,18 +11,18 @@ gets a `BuildContext` (the task, the dedicated parameter servers). To add an alg
     @register("gtc")
     def gtc(cfg, collective):
         return optax.chain(
-            shoal.optim.gtc(cfg.gtc_threshold, collective=collective, nonfinite=None),
+            shoal.optim.gtc(cfg.gtc_threshold, collective=collective),
             local_sgd(cfg),
         )
 
 and give `Config` (or the config file's subclass of it) typed fields for its
-hyper-parameters, so that ``--set gtc_threshold=0.01`` works. `build` wraps whatever a
-builder returns in `shoal.optim.skip_nonfinite` (one non-finite check for the whole
-chain, as ``cfg.nonfinite`` says), hence ``nonfinite=None`` inside. ``register(..., check=f)``
-adds ``f(cfg)``, which raises `ConfigError` for settings the algorithm cannot run; it is
-called before any training. ``register(..., fields=(...))`` declares the `Config` fields
-that are the algorithm's own hyper-parameters (those it reads that no other part of a
-run does): ``--resume`` then ignores changes to other algorithms' fields, so a changed
+hyper-parameters, so that ``--set gtc_threshold=0.01`` works. The transformation checks
+their values itself (`resolve` makes it once on stand-in workers, so a bad value stops
+the run before training, named). ``register(..., check=f)`` adds ``f(cfg)``, which raises
+`ConfigError` for settings the algorithm cannot run as a whole (BMUF's last step must end
+a block). ``register(..., fields=(...))`` declares the `Config` fields that are the
+algorithm's own hyper-parameters (those it reads that no other part of a run does):
+``--resume`` then ignores changes to other algorithms' fields, so a changed
 ``gtc_threshold`` still resumes ``ssgd`` (see `unused_fields`). Fields that no algorithm
 declares (task, model, seed, workers, batch, learning rate, ...) concern every algorithm.
 An algorithm registered without ``fields`` is taken to depend on every field.
@@ -30,6 +30,12 @@ An algorithm registered without ``fields`` is taken to depend on every field.
 An entry of ``Config.algorithms`` may carry its own overrides in brackets, separated
 by ``;``: ``"gtc[gtc_threshold=0.01;gtc_capacity=0.05]"`` trains ``gtc`` with those
 fields changed (sweeps list several such entries; the label is the whole entry).
+
+Each entry is resolved once (`resolve`, `resolve_all`: the CLI and studies do it before
+any training) into an `Entry`: its label, registration and config, which builds the
+transformation (`Entry.build`, wrapped in `shoal.optim.skip_nonfinite` as
+``cfg.nonfinite`` says: one non-finite check for the whole chain) and is what the
+training loop, the projection and the reports receive.
 """
 
 from __future__ import annotations
@@ -41,7 +47,14 @@ from typing import Any
 import jax
 import optax
 
-from shoal.comms import Collective, Compressor, Quantized, TopK, gradient_order
+from shoal.comms import (
+    Collective,
+    Compressor,
+    Quantized,
+    RecordingCollective,
+    TopK,
+    gradient_order,
+)
 from shoal.experiments.config import Config, ConfigError
 from shoal.optim import (
     allreduce_gradients,
@@ -82,9 +95,12 @@ class Algorithm:
     """A registered builder; ``two_tier``: it takes ``(intra, inter)``; ``context``: it
     takes a third argument, the `BuildContext`; ``check(cfg)`` raises `ConfigError` for a
     config it cannot run (None: any config); ``policy`` names the
-    `shoal.experiments.policies.Policy` that may change its config fields during a run;
+    `shoal.experiments.runner.policies.Policy` that may change its config fields during a run;
     ``fields`` are its own hyper-parameters' `Config` fields (None: undeclared, it may
-    depend on any field)."""
+    depend on any field). For reports: ``reference`` marks the uncompressed baseline that
+    every other entry is compared with (speed-ups, accuracy gaps); ``compares_to`` names
+    the algorithm whose rule this one runs uncompressed for its first ``warmup(cfg)``
+    steps (1-bit LAMB and LAMB), which the report then puts side by side."""
 
     build: Builder
     two_tier: bool = False
@@ -92,6 +108,9 @@ class Algorithm:
     context: bool = False
     policy: str | None = None
     fields: frozenset[str] | None = None
+    reference: bool = False
+    compares_to: str | None = None
+    warmup: Callable[[Config], int] | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -105,30 +124,20 @@ def register(
     context: bool = False,
     policy: str | None = None,
     fields: tuple[str, ...] | None = None,
+    **report: Any,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder`` available to configs as ``name``; ``fields``: the
-    `Config` fields of its own hyper-parameters (see the module docstring)."""
+    `Config` fields of its own hyper-parameters (see the module docstring); ``report``:
+    `Algorithm`'s ``reference``, ``compares_to`` and ``warmup``."""
     own = None if fields is None else frozenset(fields)
 
     def add(builder: Builder) -> Builder:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context, policy, own)
+        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context, policy, own, **report)
         return builder
 
     return add
-
-
-def unused_fields(entry: str) -> frozenset[str]:
-    """`Config` fields that cannot change what ``entry`` trains: the fields other
-    registered algorithms declare as their own and ``entry``'s algorithm does not. Empty
-    for an algorithm that declares no ``fields`` (it may read any). The entry's bracketed
-    overrides are part of its name, so they need no field here."""
-    algo = ALGORITHMS.get(parse_entry(entry)[0])
-    if algo is None or algo.fields is None:
-        return frozenset()
-    declared = frozenset().union(*(a.fields or () for a in ALGORITHMS.values()))
-    return declared - algo.fields
 
 
 def parse_entry(entry: str) -> tuple[str, list[str]]:
@@ -141,63 +150,126 @@ def parse_entry(entry: str) -> tuple[str, list[str]]:
     return name.strip(), [a for a in rest[:-1].split(";") if a.strip()]
 
 
-def check_known(entries: tuple[str, ...], cfg: Config | None = None) -> None:
-    """Every entry names a registered algorithm (and, given ``cfg``, its overrides apply)."""
-    names = [parse_entry(e)[0] for e in entries]
-    unknown = [n for n in names if n not in ALGORITHMS]
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One entry of ``Config.algorithms``, resolved once (`resolve`) and passed down.
+
+    Attributes:
+      label: the entry as written (``"gtc[gtc_threshold=0.01]"``): its name in records,
+        reports and checkpoints.
+      name: the registered algorithm's name (``"gtc"``).
+      algorithm: its registration (builder, two-tier shape, policy, own fields).
+      cfg: the config it trains with: the run's config plus the entry's bracketed
+        overrides, already checked by the algorithm's ``check``.
+    """
+
+    label: str
+    name: str
+    algorithm: Algorithm
+    cfg: Config
+
+    @property
+    def group_size(self) -> int | None:
+        """Workers per group of a two-tier algorithm (``cfg.group_size``), else None."""
+        return self.cfg.group_size if self.algorithm.two_tier else None
+
+    @property
+    def policy(self) -> str | None:
+        """The name of the `shoal.experiments.runner.policies` policy that may change its fields."""
+        return self.algorithm.policy
+
+    def config(self, changes: dict[str, Any] | None = None) -> Config:
+        """``cfg`` with a policy's decisions so far (``changes``) on top."""
+        return dataclasses.replace(self.cfg, **changes) if changes else self.cfg
+
+    def build(
+        self,
+        comms: Comms,
+        context: BuildContext | None = None,
+        changes: dict[str, Any] | None = None,
+    ) -> optax.GradientTransformation:
+        """The transformation every worker runs: ``comms`` is the world collective, or
+        ``(intra, inter)`` when `group_size` is not None; wrapped in
+        `shoal.optim.skip_nonfinite` as ``cfg.nonfinite`` says (one check for the whole
+        chain, so a skipped step moves no momentum either)."""
+        sub = self.config(changes)
+        algo = self.algorithm
+        tx = (
+            algo.build(sub, comms, context or BuildContext())
+            if algo.context
+            else algo.build(sub, comms)
+        )
+        if sub.nonfinite == "off":
+            return tx
+        return skip_nonfinite(tx, collective=comms, nonfinite=sub.nonfinite)
+
+
+def resolve(entry: str | Entry, cfg: Config) -> Entry:
+    """``entry`` (a ``Config.algorithms`` string) as an `Entry` of ``cfg``; an `Entry`
+    is returned as it is. Raises `ConfigError` for an unknown algorithm, a bad override
+    or settings the algorithm cannot run (its ``check``), naming the entry."""
+    if isinstance(entry, Entry):
+        return entry
+    from shoal.experiments.config import apply_overrides
+
+    name, overrides = parse_entry(entry)
+    algo = ALGORITHMS.get(name)
+    if algo is None:
+        raise ConfigError(
+            f"unknown algorithm {name!r}; registered: {', '.join(sorted(ALGORITHMS))}"
+        )
+    sub = apply_overrides(cfg, overrides)
+    resolved = Entry(entry, name, algo, sub)
+    try:
+        if algo.check is not None:
+            algo.check(sub)
+        # The transformation checks its own hyper-parameters when it is made: make it
+        # once, on stand-in workers, so that a bad value stops the run before training.
+        world = RecordingCollective(sub.workers)
+        stand_in = world if resolved.group_size is None else _split(world, resolved.group_size)
+        resolved.build(stand_in)
+    except (ConfigError, ValueError, TypeError) as err:
+        own = f" (config fields of {name}: {', '.join(sorted(algo.fields))})" if algo.fields else ""
+        raise ConfigError(f"algorithm {entry!r}: {err}{own}") from None
+    return resolved
+
+
+def _split(world: RecordingCollective, group_size: int) -> tuple[Any, Any]:
+    try:
+        return world.split(group_size)
+    except ValueError as err:
+        raise ConfigError(f"group_size = {group_size}: {err}") from None
+
+
+def is_reference(label: str) -> bool:
+    """Whether the entry ``label`` is the reference algorithm as registered (no
+    overrides): the baseline reports compare every other entry with."""
+    algo = ALGORITHMS.get(label)
+    return algo is not None and algo.reference
+
+
+def resolve_all(cfg: Config) -> tuple[Entry, ...]:
+    """Every entry of ``cfg.algorithms`` resolved (`resolve`), before any training; the
+    error for unknown names lists them all."""
+    unknown = [n for n in (parse_entry(e)[0] for e in cfg.algorithms) if n not in ALGORITHMS]
     if unknown:
         raise ConfigError(
             f"unknown algorithm(s) {', '.join(map(repr, unknown))}; "
             f"registered: {', '.join(sorted(ALGORITHMS))}"
         )
-    if cfg is not None:
-        for e in entries:
-            sub = entry_config(e, cfg)
-            check = ALGORITHMS[parse_entry(e)[0]].check
-            if check is not None:
-                try:
-                    check(sub)
-                except ConfigError as err:
-                    raise ConfigError(f"algorithm {e!r}: {err}") from None
+    return tuple(resolve(e, cfg) for e in cfg.algorithms)
 
 
-def entry_config(entry: str, cfg: Config) -> Config:
-    """The config ``entry`` trains with: ``cfg`` plus the entry's bracketed overrides."""
-    from shoal.experiments.config import apply_overrides
-
-    return apply_overrides(cfg, parse_entry(entry)[1])
-
-
-def group_size(entry: str, cfg: Config) -> int | None:
-    """Workers per group for a two-tier entry (its config's ``group_size``), else None."""
-    check_known((entry,))
-    if not ALGORITHMS[parse_entry(entry)[0]].two_tier:
-        return None
-    return entry_config(entry, cfg).group_size
-
-
-def build(
-    entry: str,
-    cfg: Config,
-    comms: Comms,
-    context: BuildContext | None = None,
-    changes: dict[str, Any] | None = None,
-) -> optax.GradientTransformation:
-    """The transformation of ``entry``: ``comms`` is the world collective, or ``(intra,
-    inter)`` when `group_size` is not None. ``changes`` (a policy's decisions so far) apply
-    on top of the entry's config."""
-    check_known((entry,))
-    algo = ALGORITHMS[parse_entry(entry)[0]]
-    sub = dataclasses.replace(entry_config(entry, cfg), **(changes or {}))
-    if algo.context:
-        tx = algo.build(sub, comms, context or BuildContext())
-    else:
-        tx = algo.build(sub, comms)
-    if sub.nonfinite == "off":
-        return tx
-    # One flag for the whole chain, so a skipped step moves no momentum either; the
-    # builders make their shoal transformations with nonfinite=None.
-    return skip_nonfinite(tx, collective=comms, nonfinite=sub.nonfinite)
+def unused_fields(entry: str) -> frozenset[str]:
+    """`Config` fields that cannot change what ``entry`` trains: the fields other
+    registered algorithms declare as their own and ``entry``'s algorithm does not. Empty
+    for an algorithm that declares no ``fields`` (it may read any) or is not registered.
+    The entry's bracketed overrides are part of its label, so they need no field here."""
+    algo = ALGORITHMS.get(parse_entry(entry)[0])
+    if algo is None or algo.fields is None:
+        return frozenset()
+    declared = frozenset().union(*(a.fields or () for a in ALGORITHMS.values()))
+    return declared - algo.fields
 
 
 # The hyper-parameters of several algorithms (`register`'s ``fields``).
@@ -217,10 +289,10 @@ def local_sgd(cfg: Config) -> optax.GradientTransformation:
     return optax.sgd(cfg.learning_rate, momentum=cfg.momentum or None)
 
 
-@register("ssgd", fields=())
+@register("ssgd", fields=(), reference=True)
 def ssgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous SGD: all-reduce (mean) the gradients every step, then `local_sgd`."""
-    return optax.chain(allreduce_gradients(collective=collective, nonfinite=None), local_sgd(cfg))
+    return optax.chain(allreduce_gradients(collective=collective), local_sgd(cfg))
 
 
 @register("ssgd_adamw", fields=("diloco_inner_lr", "weight_decay"))
@@ -228,7 +300,7 @@ def ssgd_adamw(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """S-SGD with AdamW: all-reduce (mean) the gradients every step, then AdamW at
     ``diloco_inner_lr`` with ``weight_decay``: DiLoCo's inner optimizer, so that the
     baseline and DiLoCo differ only in how often they synchronise."""
-    tx = allreduce_gradients(collective=collective, nonfinite=None)
+    tx = allreduce_gradients(collective=collective)
     return optax.chain(tx, optax.adamw(cfg.diloco_inner_lr, weight_decay=cfg.weight_decay))
 
 
@@ -236,7 +308,7 @@ def ssgd_adamw(cfg: Config, collective: Any) -> optax.GradientTransformation:
 def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""
     return optax.chain(
-        gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity, nonfinite=None),
+        gtc(cfg.gtc_threshold, collective=collective, capacity=cfg.gtc_capacity),
         local_sgd(cfg),
     )
 
@@ -258,27 +330,18 @@ def bfb(cfg: Config, collective: Any, context: BuildContext) -> optax.GradientTr
         buffer_bytes=cfg.bfb_buffer_bytes or None,
         servers=context.servers,
         order=order,
-        nonfinite=None,
     )
     return optax.chain(reduce, local_sgd(cfg))
 
 
-def _check_blocks(cfg: Config, models: int) -> None:
+def _check_bmuf(cfg: Config) -> None:
     # The evaluated model is the global model of the last BMUF step: make that the last step.
+    # (Block momentum and rate are bmuf's own to check.)
     if (cfg.steps - cfg.warmup_steps) % cfg.block_size or cfg.steps <= cfg.warmup_steps:
         raise ConfigError(
             f"steps - warmup_steps = {cfg.steps - cfg.warmup_steps} must be a positive multiple "
             f"of block_size = {cfg.block_size}, so that the last step is a BMUF step"
         )
-    if cfg.block_momentum is None and not 0 <= 1 - cfg.block_lr / models < 1:
-        raise ConfigError(
-            f"the default block_momentum = 1 - block_lr / {models} is outside [0, 1) "
-            f"with block_lr = {cfg.block_lr}; set block_momentum"
-        )
-
-
-def _check_bmuf(cfg: Config) -> None:
-    _check_blocks(cfg, cfg.workers)
 
 
 def _check_bmuf_gtc(cfg: Config) -> None:
@@ -288,7 +351,7 @@ def _check_bmuf_gtc(cfg: Config) -> None:
         )
     if cfg.warmup_steps:
         raise ConfigError("warmup_steps must be 0: shoal.optim.bmuf_gtc has no warm-up")
-    _check_blocks(cfg, cfg.workers // cfg.group_size)
+    _check_bmuf(cfg)
 
 
 @register("bmuf", check=_check_bmuf, fields=_BMUF)
@@ -305,7 +368,6 @@ def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
         nbm=cfg.nbm,
         warmup_steps=cfg.warmup_steps,
         reset_inner_state=cfg.reset_inner_state,
-        nonfinite=None,
     )
 
 
@@ -327,7 +389,6 @@ def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransform
         nesterov=cfg.nesterov,
         nbm=cfg.nbm,
         reset_inner_state=cfg.reset_inner_state,
-        nonfinite=None,
     )
 
 
@@ -383,7 +444,6 @@ def diloco_(cfg: Config, collective: Any) -> optax.GradientTransformation:
         sync_every=cfg.diloco_sync_every,
         outer=outer,
         exchange=diloco_exchange(cfg),
-        nonfinite=None,
     )
 
 
@@ -405,7 +465,6 @@ def streaming_diloco_(cfg: Config, collective: Any) -> optax.GradientTransformat
         overlap=cfg.streaming_overlap,
         mix=cfg.streaming_mix,
         exchange=diloco_exchange(cfg),
-        nonfinite=None,
     )
 
 
@@ -415,7 +474,7 @@ def topk_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     ``topk_chunk_size``, values at ``topk_value_bits``), then `local_sgd`."""
     bits = cfg.topk_value_bits or None
     tx = topk(cfg.topk_fraction, collective=collective, chunk_size=cfg.topk_chunk_size,
-              value_bits=bits, nonfinite=None)  # fmt: skip
+              value_bits=bits)  # fmt: skip
     return optax.chain(tx, local_sgd(cfg))
 
 
@@ -424,7 +483,7 @@ def powersgd_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """PowerSGD (`shoal.optim.powersgd` at ``powersgd_rank``, plain all-reduce for the first
     ``powersgd_start_step`` steps), then `local_sgd`."""
     tx = powersgd(cfg.powersgd_rank, collective=collective, start_step=cfg.powersgd_start_step,
-                  seed=cfg.seed, nonfinite=None)  # fmt: skip
+                  seed=cfg.seed)  # fmt: skip
     return optax.chain(tx, local_sgd(cfg))
 
 
@@ -434,7 +493,7 @@ def demo_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     ``demo_topk`` of each ``demo_chunk_size`` chunk exchanged, the sign of the mean
     (``demo_sign``) stepped with SGD at ``demo_lr``."""
     tx = demo(collective=collective, momentum=cfg.demo_momentum, chunk_size=cfg.demo_chunk_size,
-              topk=cfg.demo_topk, sign=cfg.demo_sign, nonfinite=None)  # fmt: skip
+              topk=cfg.demo_topk, sign=cfg.demo_sign)  # fmt: skip
     return optax.chain(tx, optax.sgd(cfg.demo_lr))
 
 
@@ -473,7 +532,6 @@ def _lamb(cfg: Config, collective: Any, freeze: int) -> optax.GradientTransforma
         b1=cfg.lamb_b1,
         b2=cfg.lamb_b2,
         weight_decay=cfg.weight_decay,
-        nonfinite=None,
     )
 
 
@@ -497,6 +555,8 @@ def _check_onebit(cfg: Config) -> None:
     "onebit_lamb",
     check=_check_onebit,
     fields=(*_LAMB, "onebit_freeze_fraction", "onebit_freeze_step"),
+    compares_to="lamb",
+    warmup=freeze_step,
 )
 def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """1-bit LAMB (`shoal.optim.onebit_lamb`): `lamb` for `freeze_step` steps, then the
@@ -515,8 +575,7 @@ def onebit_adam_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     frozen variance; the 1-bit family's rate schedule (`lamb_schedule`), b1, b2 and weight
     decay."""
     return onebit_adam(lamb_schedule(cfg), collective=collective, freeze_step=freeze_step(cfg),
-                       b1=cfg.lamb_b1, b2=cfg.lamb_b2, weight_decay=cfg.weight_decay,
-                       nonfinite=None)  # fmt: skip
+                       b1=cfg.lamb_b1, b2=cfg.lamb_b2, weight_decay=cfg.weight_decay)  # fmt: skip
 
 
 @register("pgx", fields=("pgx_fraction",))
@@ -524,9 +583,7 @@ def pgx(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's partial gradient exchange (`shoal.optim.partial_exchange`): one bin of
     ``pgx_fraction`` of the gradient bytes averaged per step, round robin, then
     `local_sgd`."""
-    return optax.chain(
-        partial_exchange(cfg.pgx_fraction, collective=collective, nonfinite=None), local_sgd(cfg)
-    )
+    return optax.chain(partial_exchange(cfg.pgx_fraction, collective=collective), local_sgd(cfg))
 
 
 def _check_peers(cfg: Config) -> None:
@@ -545,7 +602,6 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
         strategy=cfg.peer_strategy,
         staleness=cfg.peer_staleness,
         seed=cfg.seed,
-        nonfinite=None,
     )
 
 
@@ -553,7 +609,7 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
 def sma_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous model averaging (`shoal.optim.sma`) around `local_sgd`: every step
     ``v <- (1 - sma_alpha) v + sma_alpha mean(v)``, then the local update."""
-    return sma(local_sgd(cfg), collective=collective, alpha=cfg.sma_alpha, nonfinite=None)
+    return sma(local_sgd(cfg), collective=collective, alpha=cfg.sma_alpha)
 
 
 @register("ssgd_noise", fields=("noise_ema",))
@@ -565,7 +621,6 @@ def ssgd_noise(cfg: Config, collective: Any) -> optax.GradientTransformation:
             collective=collective,
             local_batch_size=cfg.batch_size,
             ema=cfg.noise_ema,
-            nonfinite=None,
         ),
         local_sgd(cfg),
     )
@@ -575,7 +630,7 @@ def ssgd_noise(cfg: Config, collective: Any) -> optax.GradientTransformation:
 def adaptive(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu with closed-loop adaptation: ``ssgd_noise`` while ``adaptive_sync`` is
     "full", partial exchange of ``adaptive_fraction`` once the ``noise_scale`` policy
-    (`shoal.experiments.policies.noise_scale_switch`) sets it to "partial"."""
+    (`shoal.experiments.runner.policies.noise_scale_switch`) sets it to "partial"."""
     if cfg.adaptive_sync == "full":
         return ssgd_noise(cfg, collective)
     return pgx(dataclasses.replace(cfg, pgx_fraction=cfg.adaptive_fraction), collective)

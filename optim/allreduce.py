@@ -4,25 +4,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, checked
 
 
 class AllReduceState(NamedTuple):
-    skipped: jax.Array  # int32 steps skipped for a non-finite gradient (shoal.optim.nonfinite)
     wire: WireMeter  # bytes of the most recent update and since init
 
 
-def allreduce_gradients(
-    *, collective: Collective, nonfinite: str | None = "skip"
-) -> optax.GradientTransformationExtraArgs:
+def allreduce_gradients(*, collective: Collective) -> optax.GradientTransformationExtraArgs:
     """Synchronous data parallelism: replace each worker's gradient by the workers' mean.
 
     One ring all-reduce of the whole pytree::
@@ -30,11 +24,12 @@ def allreduce_gradients(
         g <- (1/N) sum_i g_i
 
     Chain it before any optax optimizer, e.g.
-    ``optax.chain(allreduce_gradients(collective=c), optax.sgd(0.1))``.
+    ``optax.chain(allreduce_gradients(collective=c), optax.sgd(0.1))``, and wrap the
+    chain in `shoal.optim.skip_nonfinite` to skip a step with a NaN/Inf gradient (a
+    NaN in one worker's gradient makes the mean NaN on every worker).
 
     Args:
       collective: the workers to average over (`shoal.comms.Collective`).
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -61,12 +56,11 @@ def allreduce_gradients(
       TensorFlow", 2018 (ring all-reduce).
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
 
     def init_fn(params: Any) -> AllReduceState:
         check_same_structure(params, collective)
         del params
-        return AllReduceState(skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero())
+        return AllReduceState(wire=WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -74,7 +68,6 @@ def allreduce_gradients(
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(updates), collective.size))
         return updates, state._replace(wire=state.wire.record(wire))
 
-    guarded = guard(update_fn, nonfinite, collective)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("allreduce_gradients", AllReduceState, guarded)
+        init_fn, checked("allreduce_gradients", AllReduceState, update_fn)
     )

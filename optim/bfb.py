@@ -20,16 +20,13 @@ import optax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, sum_rows
 from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
-from shoal.comms.mpi import MPICollective
 from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, checked
 
 
 class BFBState(NamedTuple):
-    skipped: jax.Array  # int32 steps skipped for a non-finite gradient (shoal.optim.nonfinite)
     wire: WireMeter  # bytes of the most recent update and since init
 
 
@@ -40,7 +37,6 @@ def bfb_allreduce(
     servers: ParameterServers | None = None,
     intra: Collective | None = None,
     order: Sequence[int] | None = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Herring's gradient mean over all workers through balanced fusion buffers.
 
@@ -61,6 +57,10 @@ def bfb_allreduce(
     Buffers are reduced one after another in layout order, each from only its own
     leaves, so a buffer's communication can start as soon as its gradients exist.
 
+    To skip steps with a NaN/Inf gradient, wrap the chain in `shoal.optim.skip_nonfinite`
+    with the workers' collectives (``(intra, collective)`` in mode 3): the flag never goes
+    to the servers.
+
     Args:
       collective: all workers (modes 1, 2), or the across-node tier (mode 3).
       buffer_bytes: bytes per buffer (None: `shoal.comms.fusion.auto_buffer_bytes`).
@@ -69,8 +69,6 @@ def bfb_allreduce(
       order: production order of the gradient leaves (`shoal.comms.gradient_order`);
         worker 0's order is broadcast to all at construction, so construct this on every
         worker at the same point. None: leaf order.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the flag is
-        all-reduced over ``intra`` and ``collective``, never sent to the servers.
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -98,7 +96,6 @@ def bfb_allreduce(
       for the Cloud", SC 2020, section III.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     if buffer_bytes is not None and (
         isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1
     ):
@@ -126,7 +123,7 @@ def bfb_allreduce(
             if tier is not None:
                 check_same_structure(params, tier)
         del params
-        return BFBState(skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero())
+        return BFBState(wire=WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -148,9 +145,8 @@ def bfb_allreduce(
         return plan.unfuse(reduced), state._replace(wire=wire)
 
     tiers = tuple(t for t in (intra, collective) if t is not None)
-    guarded = guard(update_fn, nonfinite, tiers)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("bfb_allreduce", BFBState, guarded)
+        init_fn, checked("bfb_allreduce", BFBState, update_fn)
     )
 
 
@@ -189,11 +185,7 @@ def _check_servers(servers, collective, intra, workers: int) -> None:
         raise TypeError(f"servers must be a ParameterServers, got {type(servers).__name__}")
     if servers.is_server:
         raise ValueError("bfb_allreduce runs on worker ranks; server ranks call servers.serve()")
-    for name, tier in (("collective", collective), ("intra", intra)):
-        if tier is not None and not isinstance(tier, MPICollective):
-            raise ValueError(
-                f"dedicated servers need MPI workers: {name} is a {type(tier).__name__}"
-            )
+    servers.check_workers(collective=collective, intra=intra)
     if workers != servers.num_workers:
         tiers = f"{intra.size} x {collective.size}" if intra is not None else collective.size
         raise ValueError(

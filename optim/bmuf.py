@@ -24,17 +24,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import run_if
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    check_int,
     check_positive,
     checked,
     concrete_float,
@@ -42,8 +41,6 @@ from shoal.optim.validation import (
 )
 
 NBM_VARIANTS = ("seed", "chen_huo")
-
-ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
 
 class BMUFState(NamedTuple):
@@ -58,8 +55,6 @@ class BMUFState(NamedTuple):
         ``nesterov=True, nbm="chen_huo"``; None otherwise).
       step: int32 count of updates done (warm-up included).
       block: int32 count of BMUF steps done, the 0-based index of the next one.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`);
-        they advance neither ``step`` nor the block.
       wire: bytes of this transformation's own collectives in the most recent update
         and since init.
     """
@@ -70,7 +65,6 @@ class BMUFState(NamedTuple):
     filtered: Any
     step: jax.Array
     block: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -79,13 +73,12 @@ def bmuf(
     *,
     collective: Collective,
     block_size: int,
-    block_lr: ScalarOrSchedule = 1.0,
-    block_momentum: ScalarOrSchedule | None = None,
+    block_lr: optax.ScalarOrSchedule = 1.0,
+    block_momentum: optax.ScalarOrSchedule | None = None,
     nesterov: bool = True,
     nbm: str = "seed",
     warmup_steps: int = 0,
     reset_inner_state: bool = True,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Blockwise model-update filtering (BMUF) around any optax optimizer ``inner``.
 
@@ -138,6 +131,9 @@ def bmuf(
     Start: ``W_g(0)`` is the ``params`` given to ``init``, so every worker must init
     from the same model, e.g. ``params = collective.broadcast(params, 0)`` first.
 
+    Local steps communicate nothing; `shoal.optim.skip_nonfinite` around it, which skips
+    steps with a NaN/Inf gradient, all-reduces its 4-byte flag on every step.
+
     Args:
       inner: the local optimizer, any optax transformation (run every step on this
         worker's gradient; during warm-up on the mean gradient).
@@ -165,9 +161,6 @@ def bmuf(
         reset gave test loss 0.061 and accuracy 99.4%; keeping it diverged (largest
         training loss 1.1e9, test loss 4.6e8). Plain SGD has no state to keep
         (test loss 0.012 either way). Pass False for DiLoCo-style training.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`). The flag is
-        all-reduced every step, so local steps are no longer free of communication
-        (4 bytes; None restores them).
 
     With ``optax.inject_hyperparams``, pass ``static_args=("block_size", "nesterov",
     "nbm", "warmup_steps", "reset_inner_state")``; ``block_lr`` and ``block_momentum``
@@ -219,7 +212,6 @@ def bmuf(
         nbm=nbm,
         warmup_steps=warmup_steps,
         reset_local_state=reset,
-        nonfinite=nonfinite,
     )
 
 
@@ -228,25 +220,23 @@ def block_update_filtering(
     *,
     collective: Collective,
     block_size: int,
-    block_lr: ScalarOrSchedule,
-    block_momentum: ScalarOrSchedule | None,
+    block_lr: optax.ScalarOrSchedule,
+    block_momentum: optax.ScalarOrSchedule | None,
     nesterov: bool,
     nbm: str,
     warmup_steps: int = 0,
     reset_local_state: Callable[[Any, Any], Any] | None = None,
-    nonfinite: str | None = "skip",
-    flag_collectives: tuple[Collective, ...] | None = None,
+    all_workers: tuple[Collective, ...] | None = None,
     name: str = "bmuf",
 ) -> optax.GradientTransformationExtraArgs:
     """The BMUF core shared by `bmuf` and `bmuf_gtc`: ``local`` (which may communicate,
     e.g. GTC inside a group) makes every step; every ``block_size`` steps the models
     are filtered over ``collective``. ``reset_local_state(state, W_g)`` is applied to
-    ``local``'s state after each BMUF step (None: keep it). The non-finite flag is summed
-    over ``flag_collectives`` (default ``(collective,)``), which must span every worker."""
+    ``local``'s state after each BMUF step (None: keep it). ``all_workers`` (default
+    ``(collective,)``) span every worker: the step counter is uniform over them."""
     check_collective(collective)
-    check_nonfinite(nonfinite)
-    _check_int("block_size", block_size, 1)
-    _check_int("warmup_steps", warmup_steps, 0)
+    check_int("block_size", block_size, 1)
+    check_int("warmup_steps", warmup_steps, 0)
     if nbm not in NBM_VARIANTS:
         raise ValueError(f"nbm must be one of {NBM_VARIANTS}, got {nbm!r}")
     n_models = collective.size
@@ -270,17 +260,16 @@ def block_update_filtering(
             filtered=jax.tree.map(jnp.array, params) if two_buffers else None,
             step=jnp.zeros((), jnp.int32),
             block=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
-    flags = flag_collectives if flag_collectives is not None else (collective,)
+    workers = all_workers if all_workers is not None else (collective,)
 
     def update_fn(updates, state, params=None, **extra_args):
         require_params(name, params)
         # The step counter is the same on every worker: branch on it (a local step then
         # costs a local step under vmap too, instead of a select over every branch).
-        step = uniform_over(flags, state.step)
+        step = uniform_over(workers, state.step)
         in_warmup = step < warmup_steps
         if warmup_steps:
             updates = run_if(in_warmup, lambda g: collective.all_reduce(g, "mean"), updates)
@@ -334,14 +323,11 @@ def block_update_filtering(
             carry = run_if(in_warmup, warmup_step, carry)
         out, local_state, w_g, delta, filtered, block, wire = carry
         wire = state.wire.record(wire)  # this update's bytes, added to the total
-        new_state = BMUFState(
-            local_state, w_g, delta, filtered, state.step + 1, block, state.skipped, wire
-        )
+        new_state = BMUFState(local_state, w_g, delta, filtered, state.step + 1, block, wire)
         return out, new_state
 
-    guarded = guard(update_fn, nonfinite, flags, needs_params=name)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked(name, BMUFState, guarded, lambda s: s.delta)
+        init_fn, checked(name, BMUFState, update_fn, lambda s: s.delta)
     )
 
 
@@ -353,11 +339,6 @@ def _lin(a, x, b, y):
 def _cast_like(tree, like):
     # A branch must return its carry's dtypes exactly (weak types included).
     return jax.tree.map(lambda x, ref: jnp.asarray(x).astype(jnp.result_type(ref)), tree, like)
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def _check_block_momentum(name: str, value: Any, default: bool = False) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import optax
 
 from shoal.comms.collective import Collective
-from shoal.optim.bmuf import ScalarOrSchedule, block_update_filtering
+from shoal.optim.bmuf import block_update_filtering
 from shoal.optim.gtc import gtc
 from shoal.optim.validation import check_collective
 
@@ -30,12 +30,11 @@ def bmuf_gtc(
     block_size: int,
     threshold: float,
     capacity: int | float = 0.02,
-    block_lr: ScalarOrSchedule = 1.0,
-    block_momentum: ScalarOrSchedule | None = None,
+    block_lr: optax.ScalarOrSchedule = 1.0,
+    block_momentum: optax.ScalarOrSchedule | None = None,
     nesterov: bool = True,
     nbm: str = "seed",
     reset_inner_state: bool = True,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Two-tier training: GTC within each group of ``P`` workers, BMUF across the ``M`` groups.
 
@@ -64,6 +63,10 @@ def bmuf_gtc(
     Every worker must ``init`` from the same params, e.g. rank 0's:
     ``params = intra.broadcast(inter.broadcast(params, 0), 0)``.
 
+    To skip steps with a NaN/Inf gradient on all ``N`` workers together, wrap it in
+    ``shoal.optim.skip_nonfinite(tx, collective=(intra, inter))``: the flag is summed
+    within the group, then across groups.
+
     Args:
       inner: the optimizer applied to the group's aggregated gradient, e.g. ``optax.sgd``.
       intra: collective of the ``P`` workers of this worker's group.
@@ -72,8 +75,6 @@ def bmuf_gtc(
       threshold: GTC's ``tau > 0``.
       capacity: GTC's words per worker per step (see `shoal.optim.gtc.gtc`).
       block_lr, block_momentum, nesterov, nbm, reset_inner_state: as in `bmuf`.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the flag is
-        summed over ``intra`` and then ``inter``, so all ``N`` workers skip together.
 
     State: `shoal.optim.bmuf.BMUFState`; its ``inner_state`` is the chain state
     ``(GTCState, inner state)``, or the inner state alone when ``P = 1``.
@@ -110,7 +111,7 @@ def bmuf_gtc(
     check_collective(intra)
     check_collective(inter)
     # gtc() validates tau and capacity.
-    compress = gtc(threshold, collective=intra, capacity=capacity, nonfinite=nonfinite)
+    compress = gtc(threshold, collective=intra, capacity=capacity)
     inner = optax.with_extra_args_support(inner)
     if intra.size == 1:
         local = inner
@@ -127,7 +128,6 @@ def bmuf_gtc(
         nesterov=nesterov,
         nbm=nbm,
         reset_local_state=reset if reset_inner_state else None,
-        nonfinite=nonfinite,
-        flag_collectives=(intra, inter),
+        all_workers=(intra, inter),
         name="bmuf_gtc",
     )

@@ -28,10 +28,10 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels.dct_reference import chunk_dct, chunk_idct
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    check_int,
     checked,
     concrete_float,
 )
@@ -46,16 +46,13 @@ class DeMoState(NamedTuple):
     Attributes:
       momentum: param-shaped tree (the params' dtypes), this worker's decoupled momentum
         ``m_i`` after the most recent extraction: what it has not sent yet.
-      step: int32 count of updates done (skipped steps excluded).
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`);
-        they advance neither ``step`` nor the momentum.
+      step: int32 count of updates done.
       wire: bytes of this transformation's own collectives in the most recent update and
         since init.
     """
 
     momentum: Any
     step: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -107,6 +104,10 @@ def _decode(vals: jax.Array, idx: jax.Array, plan: _Plan, dtype: Any, scale: flo
     return chunk_idct(dense, plan.rows, plan.cols, plan.h, plan.w)
 
 
+# The largest topk: every element of a full 2-D chunk.
+_TOPK_WHY = " (chunk_size ** 2, the elements of a full 2-D chunk)"
+
+
 def demo(
     *,
     collective: Collective,
@@ -114,7 +115,6 @@ def demo(
     chunk_size: int = 64,
     topk: int = 32,
     sign: bool = True,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """DeMo: per-worker momentum, of which only the top-k DCT components per chunk are shared.
 
@@ -147,9 +147,9 @@ def demo(
     Wire: one all-gather per update of a fixed-size buffer, per chunk ``k`` float32
     values and ``k`` int32 indices (position ``b w + d`` of frequency ``(b, d)`` in its
     chunk), so with ``n = 8 sum_leaves chunks k`` bytes, ``(N - 1) n`` bytes sent and
-    received per worker in ``state.wire.step``; the non-finite flag adds ``2 (N - 1) / N *
-    4`` each way. Decoding runs on every worker alike, so every worker gets the same
-    ``u``.
+    received per worker in ``state.wire.step``. Decoding runs on every worker alike, so
+    every worker gets the same ``u``. A NaN/Inf would stay in the momentum:
+    `shoal.optim.skip_nonfinite` around the chain skips such a step.
 
     Differences from the reference, on purpose: the momentum accumulates ``g`` rather
     than ``lr g`` (as in the paper; with a constant ``lr`` and ``sign=True`` the updates
@@ -171,7 +171,6 @@ def demo(
         chunk can hold); clamped to a smaller chunk's ``h w`` (the reference's
         ``compression_topk``).
       sign: return ``sign(Q)`` (DeMo's signum update) or, if False, ``Q`` itself.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
@@ -207,10 +206,9 @@ def demo(
       2024; reference code https://github.com/bloc97/DeMo.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
-    _check_int("chunk_size", chunk_size, 1, None)
+    check_int("chunk_size", chunk_size, 1)
     chunk_size = int(chunk_size)
-    _check_int("topk", topk, 1, chunk_size * chunk_size)
+    check_int("topk", topk, 1, chunk_size * chunk_size, why=_TOPK_WHY)
     topk = int(topk)
     beta = concrete_float(momentum)
     if beta is not None and not 0 <= beta < 1:
@@ -225,7 +223,6 @@ def demo(
         return DeMoState(
             momentum=jax.tree.map(jnp.zeros_like, params),
             step=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
@@ -278,21 +275,10 @@ def demo(
         new_state = DeMoState(
             momentum=treedef.unflatten(new_moms),
             step=state.step + 1,
-            skipped=state.skipped,
             wire=state.wire.record(wire),
         )
         return treedef.unflatten(out), new_state
 
-    guarded = guard(update_fn, nonfinite, collective)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("demo", DeMoState, guarded, lambda s: s.momentum)
+        init_fn, checked("demo", DeMoState, update_fn, lambda s: s.momentum)
     )
-
-
-def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
-    allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
-    if high is not None and name == "topk":
-        allowed += " (chunk_size ** 2, the elements of a full 2-D chunk)"
-    ok = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, np.integer))
-    if not ok or value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")

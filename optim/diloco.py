@@ -29,7 +29,6 @@ from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.optim.inplace import run_if
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
@@ -48,10 +47,8 @@ class DiLoCoState(NamedTuple):
       global_params: ``theta_g``, the global model of the most recent outer step (the
         ``params`` given to ``init`` before the first); exact, where the worker's params
         equal it up to one rounding.
-      step: int32 count of updates done (skipped steps excluded).
+      step: int32 count of updates done.
       rounds: int32 count of outer steps done.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`);
-        they advance neither ``step`` nor the round.
       wire: bytes of this transformation's own collectives in the most recent update and
         since init.
       exchange_memory: the error feedback of ``exchange`` (``()`` without one, or when it
@@ -63,7 +60,6 @@ class DiLoCoState(NamedTuple):
     global_params: Any
     step: jax.Array
     rounds: jax.Array
-    skipped: jax.Array
     wire: WireMeter
     exchange_memory: tuple = ()
 
@@ -75,7 +71,6 @@ def diloco(
     sync_every: int,
     outer: optax.GradientTransformation,
     exchange: Compressor | None = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: per-worker inner optimizer steps, an outer optimizer step every ``sync_every``.
 
@@ -114,6 +109,9 @@ def diloco(
     Start: ``theta_g`` is the ``params`` given to ``init``, so every worker must init from
     the same model, e.g. ``params = collective.broadcast(params, 0)`` first.
 
+    Inner steps communicate nothing; `shoal.optim.skip_nonfinite` around it, which skips
+    steps with a NaN/Inf gradient, all-reduces its 4-byte flag on every update.
+
     Args:
       inner: the per-worker optimizer, any optax transformation (e.g. ``optax.adamw``),
         applied every update to this worker's gradient.
@@ -124,9 +122,6 @@ def diloco(
         ``theta_g`` as its params.
       exchange: None (a float32 all-reduce of ``delta``) or a `shoal.comms.Compressor`
         for it, e.g. ``shoal.comms.Quantized("fp4")`` or ``shoal.comms.TopK(0.01)``.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`). The flag is
-        all-reduced every update, so inner steps are no longer free of communication
-        (4 bytes; None restores them).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
@@ -161,7 +156,7 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
       Models", arXiv:2311.08105, 2023.
     """
-    sync_every = check_outer_args(collective, nonfinite, inner, outer, sync_every, exchange)
+    sync_every = check_outer_args(collective, inner, outer, sync_every, exchange)
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
 
@@ -174,7 +169,6 @@ def diloco(
             global_params=jax.tree.map(jnp.array, params),
             step=jnp.zeros((), jnp.int32),
             rounds=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
             exchange_memory=_exchange_init(exchange, params, n_workers),
         )
@@ -220,23 +214,20 @@ def diloco(
             global_params=theta_g,
             step=state.step + 1,
             rounds=rounds,
-            skipped=state.skipped,
             wire=state.wire.record(wire),
             exchange_memory=memory,
         )
         return out, new_state
 
-    guarded = guard(update_fn, nonfinite, collective, needs_params="diloco")
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("diloco", DiLoCoState, guarded, lambda s: s.global_params)
+        init_fn, checked("diloco", DiLoCoState, update_fn, lambda s: s.global_params)
     )
 
 
-def check_outer_args(collective, nonfinite, inner, outer, sync_every, exchange) -> int:
+def check_outer_args(collective, inner, outer, sync_every, exchange) -> int:
     """The arguments `diloco` and `streaming_diloco` share, checked; ``sync_every`` as an
     int."""
     check_collective(collective)
-    check_nonfinite(nonfinite)
     _check_transformation("inner", inner)
     _check_transformation("outer", outer)
     if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)):

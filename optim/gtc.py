@@ -24,11 +24,11 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.shards import check_sharded_alike, worker_max
+from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels import gtc_pack, gtc_unpack
-from shoal.optim.nonfinite import any_nonfinite, check_nonfinite, report
 from shoal.optim.validation import check_collective, check_floating_leaves, check_positive, checked
+from shoal.trees import find_instances
 
 MAX_BUFFER_ELEMENTS = 2**31 - 1  # 31 index bits per word
 
@@ -42,7 +42,6 @@ class GTCState(NamedTuple):
         buffer; `residual_tree` gives it the params' shapes). Kept flat so that a step
         does not concatenate and split it again.
       offset: int32 start of the cyclic selection window for the next step.
-      skipped: int32 count of steps skipped because some worker's gradient was not finite.
       sent: int32 elements this worker sent in the most recent update (its density is
         ``sent / n``; the wire always carries the full ``capacity`` buffer).
       wire: bytes of the most recent update and since init.
@@ -50,7 +49,6 @@ class GTCState(NamedTuple):
 
     residual: Any
     offset: jax.Array
-    skipped: jax.Array
     sent: jax.Array
     wire: WireMeter
 
@@ -75,7 +73,6 @@ def gtc(
     collective: Collective,
     capacity: int | float = 0.02,
     average: bool = True,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Strom's threshold compression: send ``+-threshold`` where ``|g + r| > threshold``.
 
@@ -91,11 +88,10 @@ def gtc(
     keeps qualifying is sent within ``ceil(n / capacity)`` steps. Unsent elements
     stay in the residual: no gradient mass is lost.
 
-    Non-finite gradients (`shoal.optim.nonfinite`): a worker whose gradient holds a
-    NaN/Inf sends a header of -1 instead of its count, so the flag needs no collective of
-    its own. With ``nonfinite="skip"`` every worker then skips the step: the update is
-    zero, residual and offset stay as they were, ``GTCState.skipped`` counts it;
-    ``"raise"`` also raises `NonFiniteGradientError`; None sends the count as usual.
+    Non-finite gradients: a NaN is never sent (``|NaN| > tau`` is false) and an Inf is
+    sent as ``+-tau`` and stays Inf, so either stays in the residual for ever. Wrap the
+    chain in `shoal.optim.skip_nonfinite`, which skips such a step on every worker and
+    keeps the residual as it was.
 
     Use with ``optax.inject_hyperparams`` via ``static_args=("capacity",)``; the
     threshold may then be scheduled.
@@ -106,7 +102,6 @@ def gtc(
       capacity: words per worker per step, a fraction of the elements (float in
         (0, 1]) or an absolute count (int >= 1, clipped to the element count).
       average: divide the sum of the workers' ``q`` by the number of workers.
-      nonfinite: ``"skip"``, ``"raise"`` or None.
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -138,7 +133,6 @@ def gtc(
       Training Algorithm for Acoustic Modeling", section 2.1.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     check_positive("threshold", threshold)
     resolve_capacity(capacity, 1)  # type and range checks before any data is seen
     n_workers = collective.size
@@ -165,7 +159,6 @@ def gtc(
         return GTCState(
             residual=jnp.zeros((n,), jnp.float32),
             offset=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
             sent=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
@@ -199,31 +192,14 @@ def gtc(
         words, count, remainder = gtc_pack(a, tau, cap, state.offset)
 
         header = count.astype(jnp.int32)
-        if nonfinite is not None:
-            # The residual is finite (a skipped step keeps it), so a is finite iff g is.
-            bad_here = worker_max(any_nonfinite(a), collective)  # any shard of the worker
-            header = jnp.where(bad_here, -1, header)
         gathered = collective.all_gather(jnp.concatenate([header[None], words]))
-        counts = gathered[:, 0]
-        total = gtc_unpack(gathered[:, 1:], jnp.maximum(counts, 0), tau, n)
+        total = gtc_unpack(gathered[:, 1:], gathered[:, 0], tau, n)
         if average:
             total = total / n_workers
         # (cap words + 1 header) int32 per worker, all-gathered.
         wire = WireCount.of(*all_gather_bytes(4 * (cap + 1), n_workers))
         offset = ((state.offset.astype(jnp.uint32) + cap) % n).astype(jnp.int32)
-        new_state = GTCState(remainder, offset, state.skipped, header, state.wire.record(wire))
-        if nonfinite is not None:
-            bad = jnp.sum(counts < 0, dtype=jnp.int32)
-            report(bad, n_workers, nonfinite)
-            ok = bad == 0
-            total = jnp.where(ok, total, 0.0)
-            new_state = GTCState(
-                residual=jnp.where(ok, remainder, r),
-                offset=jnp.where(ok, offset, state.offset),
-                skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
-                sent=jnp.where(ok, count, 0).astype(jnp.int32),
-                wire=new_state.wire,
-            )
+        new_state = GTCState(remainder, offset, header, state.wire.record(wire))
         return jax.tree.unflatten(treedef, _split_like(total, sizes, leaves)), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, checked("gtc", GTCState, update_fn))
@@ -270,11 +246,7 @@ def residual_tree(state: GTCState, params: Any) -> Any:
 def sent_fraction(opt_state: Any) -> jax.Array | None:
     """Elements sent in the most recent update over elements compressed, summed over every
     `gtc` inside ``opt_state``; None when there is none."""
-    states = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GTCState))
-        if isinstance(s, GTCState)
-    ]
+    states = find_instances(opt_state, GTCState)
     if not states:
         return None
     sent = sum(s.sent for s in states)

@@ -31,8 +31,8 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, checked, concrete_float
+from shoal.trees import find_instances
 
 _SCALAR_BYTES = 4  # one float32: the local squared norm
 
@@ -47,7 +47,6 @@ class NoiseScaleState(NamedTuple):
       g2: float32 bias-corrected ``|G|^2``, ``g2_ema / (1 - ema^t)`` (0 before step 1).
       s: float32 bias-corrected ``tr(Sigma)``, ``s_ema / (1 - ema^t)`` (0 before step 1).
       noise_scale: float32 ``B_simple = s / g2`` (0 before step 1).
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update and since init.
     """
 
@@ -57,7 +56,6 @@ class NoiseScaleState(NamedTuple):
     g2: jax.Array
     s: jax.Array
     noise_scale: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -92,7 +90,6 @@ def gradient_noise_scale(
     collective: Collective,
     local_batch_size: int,
     ema: float = 0.9,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Average gradients over workers and track the gradient noise scale in the state.
 
@@ -117,8 +114,9 @@ def gradient_noise_scale(
     * EMAs are bias-corrected as in Adam, so ``ema=0`` reports the raw per-step
       estimates. ``ema`` is the weight of the past (KungFu's ``alpha`` is ``1 - ema``).
     * ``|G|^2`` may come out <= 0 when the signal is small against the noise; the ratio is
-      then reported as is (negative or non-finite), never clipped. A step with a
-      non-finite gradient is skipped (``nonfinite``) and leaves the EMAs untouched.
+      then reported as is (negative or non-finite), never clipped. A non-finite gradient
+      would stay in the EMAs for ever: `shoal.optim.skip_nonfinite` around the chain
+      skips such a step and leaves them untouched.
 
     Communication: one all-reduce of the gradient tree with one more float32 leaf (each
     worker's squared norm); ``wire`` counts both.
@@ -127,7 +125,6 @@ def gradient_noise_scale(
       collective: the workers to average over (`shoal.comms.Collective`), ``size >= 2``.
       local_batch_size: examples per worker per step (``B_small``), a positive int.
       ema: EMA decay in ``[0, 1)``.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -154,7 +151,6 @@ def gradient_noise_scale(
       Brabete, "KungFu", 2019, section 4.3 and appendix A.3.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     _check_batch_size(local_batch_size)
     decay = concrete_float(ema)
     if decay is not None and not 0.0 <= decay < 1.0:
@@ -177,7 +173,6 @@ def gradient_noise_scale(
             g2=zero,
             s=zero,
             noise_scale=zero,
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
@@ -205,12 +200,11 @@ def gradient_noise_scale(
         wire = state.wire.record(
             WireCount.of(*all_reduce_bytes(tree_nbytes(updates) + _SCALAR_BYTES, n))
         )
-        new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, state.skipped, wire)
+        new_state = NoiseScaleState(step, g2_ema, s_ema, g2, s, s / g2, wire)
         return updates, new_state
 
-    guarded = guard(update_fn, nonfinite, collective)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("gradient_noise_scale", NoiseScaleState, guarded)
+        init_fn, checked("gradient_noise_scale", NoiseScaleState, update_fn)
     )
 
 
@@ -248,7 +242,5 @@ def noise_scale(opt_state: Any) -> jax.Array | None:
       McCandlish et al., "An Empirical Model of Large-Batch Training", 2018,
       appendix A.1.
     """
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, NoiseScaleState)):
-        if isinstance(s, NoiseScaleState):
-            return s.noise_scale
-    return None
+    states = find_instances(opt_state, NoiseScaleState)
+    return states[0].noise_scale if states else None

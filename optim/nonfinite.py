@@ -1,38 +1,34 @@
-"""One policy for non-finite gradients, shared by every communicating transformation.
+"""Non-finite gradients: one mechanism, `skip_nonfinite`, for every transformation.
 
 A NaN or Inf in one worker's gradient must not reach the others (an average with a NaN is
 NaN everywhere) nor stay in a residual, error-feedback buffer or momentum, where it would
-poison every later step. So every worker counts whether its gradient is finite, the count
-is all-reduced (one int32, ``2 (N-1)/N * 4`` bytes each way, in the state's wire count),
-and with ``bad > 0`` every worker skips alike (how, below):
+poison every later step. `skip_nonfinite` wraps a transformation (typically a whole
+``optax.chain`` of shoal's transformations and an optimizer), the distributed analogue of
+``optax.apply_if_finite``: every worker counts whether its gradient is finite, the count
+is all-reduced (one int32, ``2 (N-1)/N * 4`` bytes each way, in the wrapper's wire
+count), and with ``bad > 0`` every worker skips alike:
 
 * ``"skip"`` (default): the step is skipped on every worker: the update is zero and the
-  transformation's state is exactly what it was, except ``skipped += 1`` (the step
-  counter does not advance: a skipped step is one that never happened). The finite
-  workers' gradients of that step are discarded, as in mixed-precision loss scaling.
+  wrapped state is exactly what it was (its wire meters report an idle step); the
+  wrapper's ``skipped`` counts it. Counters and schedules inside do not advance: a
+  skipped step is one that never happened. The finite workers' gradients of that step
+  are discarded, as in mixed-precision loss scaling.
 * ``"raise"``: the same skip, and every worker raises `NonFiniteGradientError` from a host
   callback. Under ``jit`` it surfaces as a ``jax.errors.JaxRuntimeError`` whose message
   contains ``NonFiniteGradientError`` and the count; since the count is all-reduced, all
   ranks of an MPI job raise at the same step, none is left waiting.
-* ``None``: no check and no extra collective; a non-finite gradient propagates as the
-  algorithm's arithmetic makes it.
 
-Every communicating transformation applies this policy to itself (``nonfinite=`` at
-construction): its own state is protected, and it returns a zero update, which optimizers
-chained after it still apply (a momentum then decays one step). To skip a whole
-``optax.chain`` as one, wrap it in `skip_nonfinite` and build its members with
-``nonfinite=None`` (one flag all-reduce per step instead of one per member).
+Without the wrapper nothing is checked and no flag is sent: a non-finite gradient
+propagates as the algorithm's arithmetic makes it.
 
 How a step is skipped: the count is one read pass over the gradient (`any_nonfinite`),
-and the skip itself is chosen to copy as little as XLA allows. A transformation that leaves most
-of its state as it was (BMUF's global model on a local step) runs inside `run_if`, a
-branch that updates the state in place. One that rewrites its state element-wise runs
-every step and ``where(ok, new, old)`` keeps the old state on a bad step: the select
-fuses into the kernels that compute the new state, where a branch would copy it. Its
-collectives then run on a bad step too, on every worker alike, and their results are
-discarded with the rest (the wire count still reports 0 bytes for that step).
-
-GTC needs no extra collective: its all-gather header carries the flag (see `gtc`).
+and the skip itself is chosen to copy as little as XLA allows. A wrapped transformation
+that leaves most of its state as it was (BMUF's global model on a local step) runs inside
+`run_if`, a branch that updates the state in place. One that rewrites its state
+element-wise runs every step and ``where(ok, new, old)`` keeps the old state on a bad
+step: the select fuses into the kernels that compute the new state, where a branch would
+copy it. Its collectives then run on a bad step too, on every worker alike, and their
+results are discarded with the rest (the wire count still reports 0 bytes for them).
 """
 
 from __future__ import annotations
@@ -51,16 +47,18 @@ from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
-from shoal.optim.validation import check_collective, checked, require_params
+from shoal.optim.validation import check_collective, checked
+from shoal.trees import find_instances
 
-NONFINITE_POLICIES = ("skip", "raise", None)
+NONFINITE_POLICIES = ("skip", "raise")
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """Some worker's gradient held a NaN or Inf (policy ``nonfinite="raise"``)."""
+    """Some worker's gradient held a NaN or Inf (`skip_nonfinite` with ``nonfinite="raise"``)."""
 
 
 def check_nonfinite(nonfinite: Any) -> None:
+    """Refuse a policy other than ``"skip"`` or ``"raise"``, naming ``nonfinite``."""
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
 
@@ -93,26 +91,35 @@ def local_nonfinite(tree: Any) -> jax.Array:
     return jnp.any(jnp.stack(flags)).astype(jnp.int32)
 
 
+_RAISED: list[NonFiniteGradientError] = []  # the latest one, for `take_raised`
+
+
 def _raise_if_bad(bad, workers):
     if int(bad) > 0:
-        raise NonFiniteGradientError(
+        error = NonFiniteGradientError(
             f"NaN/Inf in the gradient of {int(bad)} of {workers} workers; the step was "
             f"skipped on every worker (nonfinite='raise')"
         )
+        _RAISED[:] = [error]
+        raise error
 
 
-def report(bad: jax.Array, workers: int, nonfinite: str | None) -> None:
-    """Under ``nonfinite="raise"``, raise on the host once the all-reduced ``bad`` count is
-    known (a callback, so the error comes from inside ``jit``)."""
-    if nonfinite == "raise":
-        jax.debug.callback(_raise_if_bad, bad, workers)
+def take_raised() -> NonFiniteGradientError | None:
+    """The `NonFiniteGradientError` that ``nonfinite="raise"`` raised in this process since
+    the last call (None: none), and forget it. JAX reports an error raised inside a
+    compiled step as a ``jax.errors.JaxRuntimeError`` whose message holds the original's
+    text; this gives a host loop the original itself.
+
+    Returns:
+      the error, or None.
+    """
+    return _RAISED.pop() if _RAISED else None
 
 
 def skipped_steps(opt_state: Any) -> jax.Array | None:
-    """Steps skipped so far: the largest ``skipped`` counter in ``opt_state`` (a wrapper and
-    the transformations inside it never both count one step); None when there is none."""
-    has = lambda x: isinstance(x, tuple) and "skipped" in getattr(x, "_fields", ())
-    counts = [s.skipped for s in jax.tree.leaves(opt_state, is_leaf=has) if has(s)]
+    """Steps skipped so far: the ``skipped`` count of the `skip_nonfinite` in ``opt_state``
+    (the largest, if several are nested); None when there is none."""
+    counts = [s.skipped for s in find_instances(opt_state, SkipNonFiniteState)]
     if not counts:
         return None
     return functools.reduce(jnp.maximum, counts)
@@ -131,75 +138,54 @@ def _idle_unless(ok: jax.Array, state: Any) -> Any:
     return jax.tree.map(lambda a, b: a if a is b else jnp.where(ok, a, b), state, idle)
 
 
-def guard(
-    update_fn: Callable,
-    nonfinite: str | None,
-    collectives: Collective | Sequence[Collective],
-    *,
-    needs_params: str | None = None,
-) -> Callable:
-    """Wrap a transformation's ``update_fn`` with the policy above.
-
-    ``collectives`` together span every worker whose step must stay in lock-step (two-tier
-    algorithms pass ``(intra, inter)``: the count is summed within the group, then across
-    groups). The state must be a NamedTuple with ``skipped`` and ``wire`` fields.
-    ``needs_params``: the transformation's name if its update reads ``params`` (refused
-    before any communication when missing).
-    """
-    check_nonfinite(nonfinite)
-    if nonfinite is None:
-        return update_fn
-    if not isinstance(collectives, (list, tuple)):
-        collectives = (collectives,)
-    workers = 1
+def _count_nonfinite(updates: Any, collectives: Sequence[Collective]):
+    """The number of workers whose ``updates`` hold a NaN/Inf, the same on every worker,
+    and the bytes of its all-reduces (one int32 per tier: the count is summed within the
+    group, then across groups)."""
+    # A worker spanning devices is bad if any of its shards is (`shoal.comms.shards`).
+    bad = worker_max(local_nonfinite(updates), collectives)
+    wire = WireCount.zero()
     for c in collectives:
-        workers *= c.size
+        bad = c.all_reduce(bad, "sum")
+        wire = wire + WireCount.of(*all_reduce_bytes(4, c.size))
+    return bad, wire
 
-    def guarded(updates, state, params=None, **extra_args):
-        if needs_params:
-            require_params(needs_params, params)
-        if not jax.tree.leaves(updates):  # nothing to check, nothing to send
-            return update_fn(updates, state, params, **extra_args)
-        # A worker spanning devices is bad if any of its shards is (`shoal.comms.shards`).
-        bad = worker_max(local_nonfinite(updates), collectives)
-        wire = WireCount.zero()
-        for c in collectives:
-            bad = c.all_reduce(bad, "sum")
-            wire = wire + WireCount.of(*all_reduce_bytes(4, c.size))
-        report(bad, workers, nonfinite)
 
-        ok = bad == 0
-        run = lambda c: update_fn(c[0], c[1], params, **extra_args)
-        carry = (updates, state)
-        if not keeps_shape(run, carry):  # the update changes the gradient's dtype or tree
+def _apply_if(ok: jax.Array, run: Callable, updates: Any, state: Any) -> tuple[Any, Any]:
+    """``run((updates, state))`` if ``ok``, else zero updates and ``state`` with idle wire
+    meters; the way chosen to copy the least (module docstring)."""
+    carry = (updates, state)
+    if not keeps_shape(run, carry):  # the update changes the gradient's dtype or tree
 
-            def skip(_):
-                zeros = jax.tree.map(jnp.zeros_like, updates)
-                return zeros, _without_traffic(state)
+        def skip(_):
+            out_updates, out_state = jax.eval_shape(run, carry)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_updates)
+            kept = jax.tree.map(lambda x, s: jnp.asarray(x, s.dtype), state, out_state)
+            return zeros, _without_traffic(kept)
 
-            new_updates, new_state = vma.cond(ok, lambda _: run(carry), skip, None)
-        else:
-            if passthrough_bytes(run, carry) * 2 > tree_nbytes(updates):
-                # Much of the state is left as it was (BMUF's global model on a local
-                # step): a select would cost a pass over it, a 0-or-1-trip loop nothing.
-                new_updates, new_state = run_if(ok, run, carry)
-            else:
-                # The step rewrites its state element-wise: the select fuses into the
-                # kernels that compute it, and costs no pass of its own.
-                new_updates, new_state = run(carry)
-                keep = lambda new, old: jnp.where(ok, new, old)
-                new_state = jax.tree.map(keep, new_state, state)
-            new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
-            new_state = _idle_unless(ok, new_state)
-        skipped = new_state.skipped + (bad > 0).astype(new_state.skipped.dtype)
-        return new_updates, new_state._replace(skipped=skipped, wire=new_state.wire.add(wire))
-
-    return guarded
+        return vma.cond(ok, lambda _: run(carry), skip, None)
+    if passthrough_bytes(run, carry) * 2 > tree_nbytes(updates):
+        # Much of the state is left as it was (BMUF's global model on a local step): a
+        # select would cost a pass over it, a 0-or-1-trip loop nothing.
+        new_updates, new_state = run_if(ok, run, carry)
+    else:
+        # The step rewrites its state element-wise: the select fuses into the kernels that
+        # compute it, and costs no pass of its own.
+        new_updates, new_state = run(carry)
+        new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+    new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
+    return new_updates, _idle_unless(ok, new_state)
 
 
 class SkipNonFiniteState(NamedTuple):
-    """State of `skip_nonfinite`: the wrapped transformation's state, the int32 count of
-    skipped steps, and the flag's bytes (most recent update and since init)."""
+    """State of `skip_nonfinite`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state (unchanged by a skipped step, but
+        for its wire meters, which report an idle step).
+      skipped: int32 count of steps skipped so far.
+      wire: the flag's bytes, of the most recent update and since init.
+    """
 
     inner_state: Any
     skipped: jax.Array
@@ -212,27 +198,28 @@ def skip_nonfinite(
     collective: Collective | Sequence[Collective],
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    """Skip a step of all of ``inner`` on every worker when any gradient is non-finite.
+    """Skip a step of ``inner`` on every worker when any worker's gradient is non-finite.
 
-    ``inner`` is typically a chain; a step is skipped when any worker's gradient holds a
-    NaN or Inf.
+    The distributed ``optax.apply_if_finite``, and shoal's one mechanism for non-finite
+    gradients (none of its transformations checks by itself). Each step every worker
+    flags whether its gradient holds a NaN or Inf and the count is all-reduced (one int32,
+    ``2 (N - 1) / N * 4`` bytes each way per collective in ``collective``)::
 
-    Each step every worker counts whether its gradient is finite and the count is
-    all-reduced (one int32, ``2 (N - 1) / N * 4`` bytes each way)::
+        bad = sum_i [g_i has a NaN/Inf]
+        bad > 0:  updates = 0,  inner_state unchanged,  skipped += 1
+        bad = 0:  updates, inner_state = inner.update(g, inner_state, params)
 
-        bad = sum_i [g_i has a NaN/Inf];   bad > 0: updates = 0, inner_state unchanged,
-                                                    skipped += 1
-
-    On a skipped step every worker returns zero updates and keeps ``inner``'s whole state,
-    so the chain's momentum, counters and schedules do not move either. ``"raise"`` also
-    raises `NonFiniteGradientError` from a host callback (under ``jit`` it surfaces as a
-    ``jax.errors.JaxRuntimeError`` naming it).
+    On a skipped step every worker returns zero updates and keeps ``inner``'s whole state
+    bit for bit (its wire meters report an idle step), so no residual, error feedback,
+    momentum, counter or schedule inside moves. ``"raise"`` also raises
+    `NonFiniteGradientError` from a host callback on every worker at the same step
+    (under ``jit`` it surfaces as a ``jax.errors.JaxRuntimeError`` naming it).
 
     Args:
-      inner: any optax transformation (typically a chain of shoal's transformations built
-        with ``nonfinite=None`` and an optimizer).
-      collective: the workers that must skip together (all of them; a two-tier algorithm
-        passes ``(intra, inter)``).
+      inner: any optax transformation, typically a chain of shoal's transformations and
+        an optimizer.
+      collective: the workers that must skip together, all of them: one collective, or
+        a two-tier algorithm's ``(intra, inter)`` (the count is summed over each).
       nonfinite: ``"skip"`` or ``"raise"``.
 
     Returns:
@@ -246,7 +233,7 @@ def skip_nonfinite(
       >>> from shoal.comms import AxisCollective
       >>> coll = AxisCollective("workers", 2)
       >>> from shoal.optim import allreduce_gradients, skip_nonfinite
-      >>> chain = optax.chain(allreduce_gradients(collective=coll, nonfinite=None), optax.sgd(1.0))
+      >>> chain = optax.chain(allreduce_gradients(collective=coll), optax.sgd(1.0))
       >>> tx = skip_nonfinite(chain, collective=coll)
       >>> def step(g):
       ...     updates, state = tx.update(g, tx.init(g))
@@ -264,19 +251,27 @@ def skip_nonfinite(
     collectives = tuple(collective) if isinstance(collective, (list, tuple)) else (collective,)
     for c in collectives:
         check_collective(c)
-    if nonfinite is None:
-        raise ValueError("nonfinite must be 'skip' or 'raise' for skip_nonfinite, got None")
     check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
+    workers = 1
+    for c in collectives:
+        workers *= c.size
 
     def init_fn(params):
         return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32), WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
-        new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        return new_updates, state._replace(inner_state=inner_state, wire=state.wire.idle())
+        run = lambda c: inner.update(c[0], c[1], params, **extra_args)
+        if not jax.tree.leaves(updates):  # nothing to check, nothing to send
+            new_updates, inner_state = run((updates, state.inner_state))
+            return new_updates, state._replace(inner_state=inner_state, wire=state.wire.idle())
+        bad, wire = _count_nonfinite(updates, collectives)
+        if nonfinite == "raise":
+            jax.debug.callback(_raise_if_bad, bad, workers)
+        new_updates, inner_state = _apply_if(bad == 0, run, updates, state.inner_state)
+        skipped = state.skipped + (bad > 0).astype(state.skipped.dtype)
+        return new_updates, SkipNonFiniteState(inner_state, skipped, state.wire.record(wire))
 
-    guarded = guard(update_fn, nonfinite, collectives)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("skip_nonfinite", SkipNonFiniteState, guarded)
+        init_fn, checked("skip_nonfinite", SkipNonFiniteState, update_fn)
     )

@@ -12,7 +12,8 @@ in-place branch, `run_if`, so each step runs only its own collectives):
 
 Every piece of state (moments, frozen and fresh variance, LAMB coefficients and scales,
 worker and server errors) is in the optax state, so a checkpoint resumes exactly.
-Unlike the DeepSpeed implementation, the first step is a real step.
+Unlike the DeepSpeed implementation, the first step is a real step. Gradients are not
+checked for NaN/Inf here: wrap the optimizer in `shoal.optim.skip_nonfinite`.
 
 References:
     H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
@@ -30,18 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
+from shoal.comms import vma
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
-from shoal.comms.compressed import (
-    compressed_allreduce,
-    compressed_allreduce_bytes,
-    compressed_allreduce_init,
-)
+from shoal.comms.compressed import OneBit
+from shoal.comms.compressor import tree_mean
 from shoal.comms.shards import check_sharded_alike, worker_max, worker_size, worker_sums
-from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.comms.wire import WireCount, WireMeter
 from shoal.optim.inplace import run_if
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
@@ -61,7 +60,6 @@ class OneBitAdamState(NamedTuple):
       mu: param-shaped float32 momentum ``m``.
       nu: param-shaped float32 second moment ``v``, frozen after ``freeze_step``.
       worker_error, server_error: float32 error feedback of the compressed all-reduce.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update and since init.
     """
 
@@ -70,7 +68,6 @@ class OneBitAdamState(NamedTuple):
     nu: Any
     worker_error: jax.Array
     server_error: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -87,7 +84,6 @@ class OneBitLambState(NamedTuple):
       last_factor: per-leaf float32 scaling factor of the previous compressed step.
       scale: per-leaf float32 momentum scale (1 until the first compressed step).
       worker_error, server_error: float32 error feedback of the compressed all-reduce.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update and since init.
     """
 
@@ -100,7 +96,6 @@ class OneBitLambState(NamedTuple):
     scale: Any
     worker_error: jax.Array
     server_error: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -118,18 +113,10 @@ def _check_range(name, value, low, high, *, low_open=False, high_open=False):
         raise ValueError(f"{name} must be in {interval}, got {value!r}")
 
 
-def _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay):
-    check_collective(collective)
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, np.integer)):
-        raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-    if freeze_step < 1:
-        raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-    if not callable(learning_rate):
-        _check_range("learning_rate", learning_rate, 0.0, np.inf, high_open=True)
-    _check_range("b1", b1, 0.0, 1.0, high_open=True)
-    _check_range("b2", b2, 0.0, 1.0, high_open=True)
-    _check_range("eps", eps, 0.0, np.inf, low_open=True, high_open=True)
-    _check_range("weight_decay", weight_decay, 0.0, np.inf, high_open=True)
+def _check_order(low_name, low, high_name, high):
+    lo, hi = concrete_float(low), concrete_float(high)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{low_name} ({low}) must not exceed {high_name} ({high})")
 
 
 def _check_mask(mask, params):
@@ -147,11 +134,51 @@ def _check_mask(mask, params):
             ) from None
 
 
-# ----------------------------------------------------------------------- machinery
+class _Hyper(NamedTuple):
+    learning_rate: optax.ScalarOrSchedule
+    collective: Collective
+    freeze_step: int
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    momentum_mask: Any
 
 
-def _f32(leaves):
-    return [jnp.asarray(x, jnp.float32) for x in leaves]
+def _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask) -> _Hyper:
+    """The hyper-parameters both algorithms share, checked."""
+    check_collective(collective)
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, np.integer)):
+        raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+    if freeze_step < 1:
+        raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+    if not callable(learning_rate):
+        _check_range("learning_rate", learning_rate, 0.0, np.inf, high_open=True)
+    _check_range("b1", b1, 0.0, 1.0, high_open=True)
+    _check_range("b2", b2, 0.0, 1.0, high_open=True)
+    _check_range("eps", eps, 0.0, np.inf, low_open=True, high_open=True)
+    _check_range("weight_decay", weight_decay, 0.0, np.inf, high_open=True)
+    return _Hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask)
+
+
+# ------------------------------------------------------------------ the two stages
+
+
+class _Step(NamedTuple):
+    """What a stage reads besides the state: float32 leaves, in the gradient's order."""
+
+    grads: list  # this worker's gradient
+    params: list
+    count: jax.Array  # 0-based steps taken, the same on every worker (`Collective.uniform`)
+    lr: Any
+    treedef: Any
+
+    def tree(self, leaves):
+        return self.treedef.unflatten(leaves)
+
+
+def _f32(xs):
+    return [jnp.asarray(x, jnp.float32) for x in xs]
 
 
 def _norms(xs, collective):
@@ -160,36 +187,107 @@ def _norms(xs, collective):
     return [jnp.sqrt(q) for q in worker_sums([jnp.sum(x * x) for x in xs], collective)]
 
 
-def _numel(params) -> int:
-    return sum(math.prod(jnp.shape(p)) for p in jax.tree.leaves(params))
+def _on_its_own(x):
+    """``x`` unchanged (float32 rounded to float32), computed by a loop of its own.
+
+    A reduction of ``x`` then reads it from memory. Otherwise XLA:CPU computes ``x``
+    inside the reduction (a YNNPACK fusion): on one thread, ~4x slower when ``x`` divides
+    or takes square roots, and rounded differently from a stored ``x``.
+    """
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23)
 
 
-def _compressed_mean(leaves, worker_error, server_error, collective):
-    """The mean over workers of per-leaf float32 arrays through one fused compressed
-    all-reduce (leaves concatenated in ``jax.tree_util.tree_leaves`` order)."""
-    flat = jnp.concatenate([x.ravel() for x in leaves])
-    flat, worker_error, server_error = compressed_allreduce(
-        flat, worker_error, server_error, collective=collective
+def _numel(tree) -> int:
+    return sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(tree))
+
+
+def _two_stage(name, state_type, h: _Hyper, *, init, warmup, scales, compressed):
+    """The transformation both algorithms share; each supplies its own rules:
+
+    * ``init(params, zeros)``: its own state fields, as a dict;
+    * ``warmup(state, step)``: from the state with the new ``mu`` and ``nu``, the new
+      state and the per-leaf ``rate`` of the update ``rate (m / (sqrt(v) + eps) +
+      weight_decay p)``;
+    * ``scales(state, step)``: the state and the per-leaf momentum scales (None: none);
+    * ``compressed(state, mu_last, step)``: as ``warmup``, after the exchange.
+    """
+    b1, b2, collective, size = h.b1, h.b2, h.collective, h.collective.size
+    codec = OneBit()
+
+    def init_fn(params):
+        check_same_structure(params, collective)
+        check_floating_leaves("params", params)
+        _check_mask(h.momentum_mask, params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        worker_error, server_error = codec.init(max(_numel(params), 1), size)
+        return state_type(
+            count=jnp.zeros((), jnp.int32),
+            mu=zeros,
+            nu=zeros,
+            worker_error=worker_error,
+            server_error=server_error,
+            wire=WireMeter.zero(),
+            **init(params, zeros),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        require_params(name, params)
+        check_floating_leaves("updates", updates)
+        leaves, treedef = jax.tree.flatten(updates)
+        check_sharded_alike(name, leaves, collective)
+        lr = h.learning_rate(state.count) if callable(h.learning_rate) else h.learning_rate
+        count = collective.uniform(state.count)
+        step = _Step(_f32(leaves), _f32(treedef.flatten_up_to(params)), count, lr, treedef)
+        mask = h.momentum_mask
+        mask = None if mask is None else _f32(treedef.flatten_up_to(mask))
+
+        # Each stage rewrites the carry, (state, rate, wire), in place (`run_if`).
+        def warmup_stage(carry):
+            g, _, nbytes = tree_mean(updates, collective=collective)
+            g = _f32(jax.tree.leaves(g))
+            mu = [b1 * m + (1 - b1) * x for m, x in zip(jax.tree.leaves(carry[0].mu), g)]
+            nu = [b2 * v + (1 - b2) * x * x for v, x in zip(jax.tree.leaves(carry[0].nu), g)]
+            state, rate = warmup(carry[0]._replace(mu=step.tree(mu), nu=step.tree(nu)), step)
+            return state, rate, WireCount.of(*nbytes)
+
+        def compressed_stage(carry):
+            state, k = scales(carry[0], step)
+            mu_last = jax.tree.leaves(state.mu)
+            local = [b1 * m + (1 - b1) * x for m, x in zip(mu_last, step.grads)]
+            if k is not None:
+                local = [x * s for x, s in zip(local, jax.tree.leaves(k))]
+            errors = (state.worker_error, state.server_error)
+            mu, errors, nbytes = tree_mean(local, errors, collective=collective, exchange=codec)
+            if k is not None:
+                mu = [m / s for m, s in zip(mu, jax.tree.leaves(k))]
+            if mask is not None:
+                mu = [m * z for m, z in zip(mu, mask)]
+            state = state._replace(mu=step.tree(mu), worker_error=errors[0], server_error=errors[1])
+            state, rate = compressed(state, mu_last, step)
+            return state, rate, WireCount.of(*nbytes)
+
+        carry = (state, [jnp.zeros((), jnp.float32)] * len(leaves), WireCount.zero())
+        if not _numel(updates):  # nothing to compress
+            carry = warmup_stage(carry)
+        else:
+            # The stage is the same on every worker: a real branch (not both) under vmap.
+            warm = count < h.freeze_step
+            carry = run_if(~warm, compressed_stage, run_if(warm, warmup_stage, carry))
+        # The update after the branch, from the new state: one pass (fused into whatever
+        # applies it), and no parameter-sized update in the carry.
+        state, rate, wire = carry
+        mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+        out = [
+            (r * (m / (jnp.sqrt(v) + h.eps) + h.weight_decay * w)).astype(x.dtype)
+            for r, m, v, w, x in zip(rate, mu, nu, step.params, leaves)
+        ]
+        state = state._replace(count=state.count + 1, wire=state.wire.record(wire))
+        return treedef.unflatten(out), state
+
+    return optax.GradientTransformationExtraArgs(
+        init_fn, checked(name, state_type, update_fn, lambda s: s.mu)
     )
-    out, start = [], 0
-    for x in leaves:
-        out.append(flat[start : start + x.size].reshape(x.shape))
-        start += x.size
-    return out, worker_error, server_error
-
-
-def _warmup_wire(grads, size):
-    return WireCount.of(*all_reduce_bytes(tree_nbytes(grads), size))
-
-
-def _apply_mask(mu, mask_leaves):
-    if mask_leaves is None:
-        return mu
-    return [m * jnp.asarray(k, jnp.float32) for m, k in zip(mu, mask_leaves)]
-
-
-def _lr(learning_rate, count):
-    return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
 # ------------------------------------------------------------------------ 1-bit Adam
@@ -205,7 +303,6 @@ def onebit_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     momentum_mask: Any = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit Adam (Tang et al. 2021, Algorithm 1), without bias correction.
 
@@ -231,7 +328,6 @@ def onebit_adam(
         zeroed after each decompression, so compression noise cannot move them. Without
         it such an element diverges: its frozen ``v`` is 0 and the decompressed momentum
         is ``+-scale``, never 0, so its update is ``scale / eps``.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -261,79 +357,16 @@ def onebit_adam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
       Adam's Convergence Speed", ICML 2021, Algorithm 1.
     """
-    _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
-    check_nonfinite(nonfinite)
-    size = collective.size
-
-    def init_fn(params):
-        check_same_structure(params, collective)
-        check_floating_leaves("params", params)
-        _check_mask(momentum_mask, params)
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        worker_error, server_error = compressed_allreduce_init(max(_numel(params), 1), size)
-        return OneBitAdamState(
-            count=jnp.zeros((), jnp.int32),
-            mu=zeros,
-            nu=zeros,
-            worker_error=worker_error,
-            server_error=server_error,
-            skipped=jnp.zeros((), jnp.int32),
-            wire=WireMeter.zero(),
-        )
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        require_params("onebit_adam", params)
-        check_floating_leaves("updates", updates)
-        leaves, treedef = jax.tree.flatten(updates)
-        check_sharded_alike("onebit_adam", leaves, collective)
-        p = _f32(treedef.flatten_up_to(params))
-        mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-        mask = None if momentum_mask is None else treedef.flatten_up_to(momentum_mask)
-        n = _numel(updates)
-        c_bytes = compressed_allreduce_bytes(max(n, 1), size)
-
-        # Each stage rewrites the carry in place (`run_if`, like every rank-uniform branch).
-        def warmup(carry):
-            mu, nu, we, se, _ = carry
-            g = _f32(collective.all_reduce(leaves, "mean"))
-            new_mu = [b1 * m + (1 - b1) * x for m, x in zip(mu, g)]
-            new_nu = [b2 * v + (1 - b2) * x * x for v, x in zip(nu, g)]
-            return new_mu, new_nu, we, se, _warmup_wire(updates, size)
-
-        def compressed(carry):
-            mu, nu, we, se, _ = carry
-            local = [b1 * m + (1 - b1) * x for m, x in zip(mu, _f32(leaves))]
-            new_mu, we, se = _compressed_mean(local, we, se, collective)
-            return _apply_mask(new_mu, mask), nu, we, se, WireCount.of(*c_bytes)
-
-        carry = (mu, nu, state.worker_error, state.server_error, WireCount.zero())
-        if n == 0:
-            new = warmup(carry)
-        else:
-            # The stage is the same on every worker: a real branch (not both stages) under vmap.
-            stage = collective.uniform(state.count) < freeze_step
-            new = run_if(~stage, compressed, run_if(stage, warmup, carry))
-        new_mu, new_nu, we, se, wire = new
-        lr = _lr(learning_rate, state.count)
-        out = [
-            (-lr * (m / (jnp.sqrt(v) + eps) + weight_decay * w)).astype(x.dtype)
-            for m, v, w, x in zip(new_mu, new_nu, p, leaves)
-        ]
-        new_state = OneBitAdamState(
-            count=state.count + 1,
-            mu=treedef.unflatten(new_mu),
-            nu=treedef.unflatten(new_nu),
-            worker_error=we,
-            server_error=se,
-            skipped=state.skipped,
-            wire=state.wire.record(wire),
-        )
-        return treedef.unflatten(out), new_state
-
-    guarded = guard(update_fn, nonfinite, collective, needs_params="onebit_adam")
-    return optax.GradientTransformationExtraArgs(
-        init_fn, checked("onebit_adam", OneBitAdamState, guarded, lambda s: s.mu)
+    h = _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
+    rate = lambda step: [jnp.asarray(-step.lr, jnp.float32)] * len(step.grads)  # both stages
+    return _two_stage(
+        "onebit_adam",
+        OneBitAdamState,
+        h,
+        init=lambda params, zeros: {},
+        warmup=lambda state, step: (state, rate(step)),
+        scales=lambda state, step: (state, None),
+        compressed=lambda state, mu_last, step: (state, rate(step)),
     )
 
 
@@ -356,7 +389,6 @@ def onebit_lamb(
     factor_min: float = 0.5,
     factor_threshold: float = 0.1,
     momentum_mask: Any = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit LAMB (Li et al. 2021, Algorithm 1), without bias correction.
 
@@ -404,7 +436,6 @@ def onebit_lamb(
       momentum_mask: optional params-shaped tree of 0/1 arrays (broadcastable to the
         leaves) for structurally zero gradients; their momentum is zeroed after each
         decompression (without it they diverge, as in `onebit_adam`).
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -433,136 +464,98 @@ def onebit_lamb(
       Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
       Training with LAMB's Convergence Speed", 2021, Algorithm 1.
     """
-    _check_common(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay)
-    check_nonfinite(nonfinite)
-    _check_range("max_coeff", max_coeff, 0.0, np.inf, high_open=True)
-    _check_range("min_coeff", min_coeff, 0.0, np.inf, high_open=True)
-    _check_range("coeff_beta", coeff_beta, 0.0, 1.0, high_open=True)
-    _check_range("factor_max", factor_max, 0.0, np.inf, high_open=True)
-    _check_range("factor_min", factor_min, 0.0, np.inf, high_open=True)
-    _check_range("factor_threshold", factor_threshold, 0.0, np.inf, high_open=True)
-    lo, hi = concrete_float(min_coeff), concrete_float(max_coeff)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"min_coeff ({min_coeff}) must not exceed max_coeff ({max_coeff})")
-    lo, hi = concrete_float(factor_min), concrete_float(factor_max)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"factor_min ({factor_min}) must not exceed factor_max ({factor_max})")
-    size = collective.size
+    h = _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
+    for name, value, high in [
+        ("max_coeff", max_coeff, np.inf),
+        ("min_coeff", min_coeff, np.inf),
+        ("coeff_beta", coeff_beta, 1.0),
+        ("factor_max", factor_max, np.inf),
+        ("factor_min", factor_min, np.inf),
+        ("factor_threshold", factor_threshold, np.inf),
+    ]:
+        _check_range(name, value, 0.0, high, high_open=True)
+    _check_order("min_coeff", min_coeff, "max_coeff", max_coeff)
+    _check_order("factor_min", factor_min, "factor_max", factor_max)
+    leaves = jax.tree.leaves
+    # Without weight decay rho is 1 whatever the norms: skip the passes that take them.
+    decays = concrete_float(weight_decay) != 0
 
-    def init_fn(params):
-        check_same_structure(params, collective)
-        check_floating_leaves("params", params)
-        _check_mask(momentum_mask, params)
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    def init(params, zeros):
         scalar = lambda value: jax.tree.map(lambda _: jnp.full((), value, jnp.float32), params)
-        worker_error, server_error = compressed_allreduce_init(max(_numel(params), 1), size)
-        return OneBitLambState(
-            count=jnp.zeros((), jnp.int32),
-            mu=zeros,
-            nu=zeros,
-            nu_fresh=zeros,
-            coeff_avg=scalar(0.0),
-            last_factor=scalar(1.0),
-            scale=scalar(1.0),
-            worker_error=worker_error,
-            server_error=server_error,
-            skipped=jnp.zeros((), jnp.int32),
-            wire=WireMeter.zero(),
+        return dict(
+            nu_fresh=zeros, coeff_avg=scalar(0.0), last_factor=scalar(1.0), scale=scalar(1.0)
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        require_params("onebit_lamb", params)
-        check_floating_leaves("updates", updates)
-        leaves, treedef = jax.tree.flatten(updates)
-        check_sharded_alike("onebit_lamb", leaves, collective)
-        p = _f32(treedef.flatten_up_to(params))
-        s = [treedef.flatten_up_to(x) for x in state[1:7]]  # mu ... scale
-        mu, nu, nu_fresh, coeff_avg, last_factor, scale = s
-        mask = None if momentum_mask is None else treedef.flatten_up_to(momentum_mask)
-        n = _numel(updates)
-        c_bytes = compressed_allreduce_bytes(max(n, 1), size)
-        t = state.count + 1
-        lr = _lr(learning_rate, state.count)
+    def warmup(state, step):
+        p = step.params
+        # Stored, then its norm taken: the coefficients do not hang on XLA's fusion.
+        us = [
+            _on_its_own(m / (jnp.sqrt(v) + eps) + weight_decay * w)
+            for m, v, w in zip(leaves(state.mu), leaves(state.nu), p)
+        ]
+        norms = _norms([*p, *us], collective)
+        rate, avg = [], []
+        for w_norm, u_norm, a in zip(norms[: len(p)], norms[len(p) :], leaves(state.coeff_avg)):
+            ok = (w_norm > 0) & (u_norm > 0)
+            coeff = jnp.where(
+                ok, jnp.clip(w_norm / jnp.where(ok, u_norm, 1.0), min_coeff, max_coeff), 1.0
+            )
+            avg.append(jnp.where(coeff != 1, coeff_beta * a + (1 - coeff_beta) * coeff, a))
+            rate.append(-step.lr * coeff)
+        # v freezes after this step and v_fresh starts from it: a copy on that step only.
+        # (What a nested `run_if` reads goes in its carry, or XLA copies it every step.)
+        freeze = lambda c: (c[0], c[0])
+        nu, fresh = run_if(step.count == freeze_step - 1, freeze, (state.nu, state.nu_fresh))
+        return state._replace(nu=nu, nu_fresh=fresh, coeff_avg=step.tree(avg)), rate
 
-        # Each stage rewrites the carry in place (`run_if`, like every rank-uniform branch).
-        def warmup(carry):
-            _, mu, nu, nu_fresh, coeff_avg, last_factor, scale, we, se, _ = carry
-            g = _f32(collective.all_reduce(leaves, "mean"))
-            new_mu = [b1 * m + (1 - b1) * x for m, x in zip(mu, g)]
-            new_nu = [b2 * v + (1 - b2) * x * x for v, x in zip(nu, g)]
-            us = [m / (jnp.sqrt(v) + eps) + weight_decay * w for m, v, w in zip(new_mu, new_nu, p)]
-            norms = _norms([*p, *us], collective)
-            out, new_avg = [], []
-            for u, w_norm, u_norm, avg in zip(us, norms[: len(p)], norms[len(p) :], coeff_avg):
-                ok = (w_norm > 0) & (u_norm > 0)
-                ratio = jnp.clip(w_norm / jnp.where(ok, u_norm, 1.0), min_coeff, max_coeff)
-                coeff = jnp.where(ok, ratio, 1.0)
-                new_avg.append(
-                    jnp.where(coeff != 1, coeff_beta * avg + (1 - coeff_beta) * coeff, avg)
-                )
-                out.append(-lr * coeff * u)
-            fresh = [jnp.where(t == freeze_step, v, f) for v, f in zip(new_nu, nu_fresh)]
-            wire = _warmup_wire(updates, size)
-            return (
-                out, new_mu, new_nu, fresh, new_avg, last_factor, scale, we, se, wire,
-            )  # fmt: skip
-
-        def compressed(carry):
-            _, mu, nu, nu_fresh, coeff_avg, last_factor, scale, we, se, _ = carry
-            # Scales from the warm-up momentum, once: they even out the layers' momentum
-            # magnitudes so one shared 1-bit scale does not drown the small layers.
+    def scales(state, step):
+        # Once, from the warm-up momentum: they even out the layers' momentum magnitudes
+        # so that one shared 1-bit scale does not drown the small layers.
+        def fresh(mu):
+            mu = leaves(mu)
             sizes = [math.sqrt(max(worker_size(m, collective), 1)) for m in mu]
             r = [x / k for x, k in zip(_norms(mu, collective), sizes)]
             united = sum(r) / len(r)
-            fresh_scale = [jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r]
-            first = t == freeze_step + 1
-            sc = [jnp.where(first, a, b) for a, b in zip(fresh_scale, scale)]
-            local = [(b1 * m + (1 - b1) * x) * k for m, x, k in zip(mu, _f32(leaves), sc)]
-            new_mu, we, se = _compressed_mean(local, we, se, collective)
-            new_mu = _apply_mask([m / k for m, k in zip(new_mu, sc)], mask)
-            fresh, u_pres, us, raw = [], [], [], []
-            for m, m_last, v, vf, w in zip(new_mu, mu, nu, nu_fresh, p):
-                g_rec = (m - b1 * m_last) / (1 - b1)
-                vf = b2 * vf + (1 - b2) * g_rec * g_rec
-                denom = jnp.sqrt(v) + eps
-                u_pres.append(m / denom)
-                us.append(u_pres[-1] + weight_decay * w)
-                raw.append(jnp.max(denom / (jnp.sqrt(vf) + eps)))
-                fresh.append(vf)
-            # The worker's norms and maxima, each in one collective when it spans devices.
-            norms = _norms([*us, *u_pres], collective)
-            raw = worker_max(jnp.stack(raw), collective)
-            out, factors = [], []
-            for i, (u, avg, f_last) in enumerate(zip(us, coeff_avg, last_factor)):
-                u_norm, pre_norm, f = norms[i], norms[len(us) + i], raw[i]
+            return step.tree([jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r])
+
+        # A branch, not `run_if`: its result is small, and a loop would copy what it reads.
+        keep = lambda _: state.scale
+        scale = vma.cond(step.count == freeze_step, fresh, keep, state.mu)
+        return state._replace(scale=scale), scale
+
+    def compressed(state, mu_last, step):
+        mu, p = leaves(state.mu), step.params
+        fresh, u_pres, us, raw = [], [], [], []
+        for m, m_last, v, vf, w in zip(mu, mu_last, leaves(state.nu), leaves(state.nu_fresh), p):
+            g_rec = (m - b1 * m_last) / (1 - b1)
+            fresh.append(b2 * vf + (1 - b2) * g_rec * g_rec)
+            denom = jnp.sqrt(v) + eps
+            u_pres.append(m / denom)
+            us.append(u_pres[-1] + weight_decay * w)
+            raw.append(jnp.max(_on_its_own(denom / (jnp.sqrt(fresh[-1]) + eps))))
+        # The worker's norms and maxima, each in one collective when it spans devices.
+        norms = _norms([*us, *u_pres], collective) if decays else None
+        raw = worker_max(jnp.stack(raw), collective)
+        rate, factors = [], []
+        for i, (avg, f_last) in enumerate(zip(leaves(state.coeff_avg), leaves(state.last_factor))):
+            f = raw[i]
+            if decays:
+                u_norm, pre_norm = norms[i], norms[len(us) + i]
                 ratio = pre_norm / jnp.where(u_norm > 0, u_norm, 1)
                 rho = jnp.where(u_norm > 0, jnp.minimum(1.0, ratio), 1)
                 f = jnp.where(weight_decay > 0, f * rho + (1 - rho), f)
-                f = jnp.clip(f, factor_min, factor_max)
-                f = jnp.clip(f, f_last * (1 - factor_threshold), f_last * (1 + factor_threshold))
-                out.append(-lr * avg * f * u)
-                factors.append(f)
-            return (
-                out, new_mu, nu, fresh, coeff_avg, factors, sc, we, se,
-                WireCount.of(*c_bytes),
-            )  # fmt: skip
+            f = jnp.clip(f, factor_min, factor_max)
+            f = jnp.clip(f, f_last * (1 - factor_threshold), f_last * (1 + factor_threshold))
+            rate.append(-step.lr * avg * f)
+            factors.append(f)
+        return state._replace(nu_fresh=step.tree(fresh), last_factor=step.tree(factors)), rate
 
-        carry = (_f32(leaves), *s, state.worker_error, state.server_error, WireCount.zero())
-        if n == 0:
-            new = warmup(carry)
-        else:
-            # The stage is the same on every worker: a real branch (not both stages) under vmap.
-            stage = collective.uniform(state.count) < freeze_step
-            new = run_if(~stage, compressed, run_if(stage, warmup, carry))
-        out, *trees, we, se, wire = new
-        trees = [treedef.unflatten([jnp.asarray(x, jnp.float32) for x in tr]) for tr in trees]
-        wire = state.wire.record(wire)
-        new_state = OneBitLambState(state.count + 1, *trees, we, se, state.skipped, wire)
-        out = [u.astype(x.dtype) for u, x in zip(out, leaves)]
-        return treedef.unflatten(out), new_state
-
-    guarded = guard(update_fn, nonfinite, collective, needs_params="onebit_lamb")
-    return optax.GradientTransformationExtraArgs(
-        init_fn, checked("onebit_lamb", OneBitLambState, guarded, lambda s: s.mu)
+    return _two_stage(
+        "onebit_lamb",
+        OneBitLambState,
+        h,
+        init=init,
+        warmup=warmup,
+        scales=scales,
+        compressed=compressed,
     )

@@ -36,7 +36,6 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import switch_inplace
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, check_floating_leaves, checked
 
 __all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
@@ -54,7 +53,6 @@ class PartialExchangeState(NamedTuple):
         `pgx_partition` gives each segment's bins.
       fraction: float32 budget fraction active at the most recent update (after init: the
         one step 0 will use).
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update (the exchanged bin's ring all-reduce) and
         since init.
     """
@@ -62,7 +60,6 @@ class PartialExchangeState(NamedTuple):
     step: jax.Array
     bin: jax.Array
     fraction: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -71,7 +68,6 @@ def partial_exchange(
     *,
     collective: Collective,
     schedule: Mapping[int, float] | None = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Partial gradient exchange: each step, average one bin of leaves over the workers.
 
@@ -99,6 +95,8 @@ def partial_exchange(
     bytes: ``2 (N - 1) / N`` times the bin's bytes each way. The branch follows the
     state's step counter, so every worker must init together and make every update (on
     MPI, workers on different steps would join different all-reduces).
+    `shoal.optim.skip_nonfinite` around the chain checks every leaf, exchanged or not
+    (the local leaves are applied too), and keeps the step counter on a skipped step.
 
     Use with ``optax.inject_hyperparams`` via ``static_args=("budget_fraction",)``: the
     packing is static, so the fraction cannot be a traced value.
@@ -109,8 +107,6 @@ def partial_exchange(
         ValueError naming the smallest fraction that works.
       collective: the workers to average over (`shoal.comms.Collective`).
       schedule: optional mapping from step (int >= 0) to fraction in ``(0, 1]``.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the check
-        covers every leaf, exchanged or not, since the local leaves are applied too.
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -140,7 +136,6 @@ def partial_exchange(
       (partial gradient exchange).
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     f0 = _check_fraction("budget_fraction", budget_fraction)
     segments = _segments(f0, schedule)  # ((start, fraction, name), ...), ascending
     n_workers = collective.size
@@ -152,7 +147,6 @@ def partial_exchange(
             step=jnp.zeros((), jnp.int32),
             bin=jnp.full((), -1, jnp.int32),
             fraction=jnp.asarray(segments[0][1], jnp.float32),
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
@@ -206,11 +200,10 @@ def partial_exchange(
             # In place: the bin's leaves are rewritten, the others are not copied.
             out, wire = switch_inplace(flat_bin, branches, (updates, WireCount.zero()))
         wire = state.wire.record(wire)
-        return out, PartialExchangeState(t + 1, flat_bin, fraction, state.skipped, wire)
+        return out, PartialExchangeState(t + 1, flat_bin, fraction, wire)
 
-    guarded = guard(update_fn, nonfinite, collective)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("partial_exchange", PartialExchangeState, guarded)
+        init_fn, checked("partial_exchange", PartialExchangeState, update_fn)
     )
 
 

@@ -30,8 +30,13 @@ from jax import lax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
-from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective, check_floating_leaves, checked, require_params
+from shoal.optim.validation import (
+    check_collective,
+    check_floating_leaves,
+    check_int,
+    checked,
+    require_params,
+)
 
 STRATEGIES = ("round_robin", "random")
 
@@ -49,14 +54,12 @@ class PeerAveragingState(NamedTuple):
       history: with ``staleness = s > 0``, this worker's models before each of its last
         ``s`` updates (leading axis ``s``, a ring buffer indexed by ``step % s``); None
         when ``s == 0``.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes sent and received by the most recent update and since init.
     """
 
     inner_state: Any
     step: jax.Array
     history: Any
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -67,7 +70,6 @@ def peer_averaging(
     strategy: str = "round_robin",
     staleness: int = 0,
     seed: int = 0,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Synchronous peer model averaging: average with one peer's model every step.
 
@@ -117,7 +119,6 @@ def peer_averaging(
       strategy: ``"round_robin"`` or ``"random"``.
       staleness: ``s >= 0``, how many steps old the peer's model is.
       seed: int ``>= 0``, the shared seed of the ``"random"`` strategy.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     With ``optax.inject_hyperparams``, pass ``static_args=("strategy", "staleness",
     "seed")``.
@@ -146,11 +147,10 @@ def peer_averaging(
       Algorithm 4.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    _check_int("staleness", staleness, 0)
-    _check_int("seed", seed, 0)
+    check_int("staleness", staleness, 0)
+    check_int("seed", seed, 0)
     size = collective.size
     if size < 2:
         raise ValueError(
@@ -173,7 +173,6 @@ def peer_averaging(
             inner_state=inner.init(params),
             step=jnp.zeros((), jnp.int32),
             history=history,
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
@@ -203,11 +202,10 @@ def peer_averaging(
         )
         n = tree_nbytes(params)
         wire = state.wire.record(WireCount.of(n, n))
-        return out, PeerAveragingState(inner_state, t + 1, history, state.skipped, wire)
+        return out, PeerAveragingState(inner_state, t + 1, history, wire)
 
-    guarded = guard(update_fn, nonfinite, collective, needs_params="peer_averaging")
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("peer_averaging", PeerAveragingState, guarded)
+        init_fn, checked("peer_averaging", PeerAveragingState, update_fn)
     )
 
 
@@ -237,9 +235,9 @@ def peer_permutation(strategy: str, size: int, step: int, seed: int = 0) -> tupl
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    _check_int("size", size, 2)
-    _check_int("step", step, 0)
-    _check_int("seed", seed, 0)
+    check_int("size", size, 2)
+    check_int("step", step, 0)
+    check_int("seed", seed, 0)
     perms = _static_perms(strategy, int(size), int(seed))
     return perms[int(_perm_index(strategy, int(size), int(seed), jnp.int32(step)))]
 
@@ -282,8 +280,3 @@ def _count_derangements(size: int) -> int:
         if d > MAX_POOL:
             return d
     return d
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

@@ -33,8 +33,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import run_if
-from shoal.optim.nonfinite import check_nonfinite, guard
-from shoal.optim.validation import check_collective, check_floating_leaves, checked
+from shoal.optim.validation import check_collective, check_floating_leaves, check_int, checked
 
 
 class PowerSGDState(NamedTuple):
@@ -48,9 +47,7 @@ class PowerSGDState(NamedTuple):
         compute dtype (float32 for float32 and narrower gradients): the all-reduced mean
         ``Q`` of the most recent compressed update, or the seeded normal draw at init;
         the same on every worker. ``(0,)`` for a leaf sent uncompressed.
-      step: int32 count of updates done (skipped steps excluded); the first
-        ``start_step`` are plain all-reduces.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
+      step: int32 count of updates done; the first ``start_step`` are plain all-reduces.
       wire: bytes of this transformation's own collectives in the most recent update and
         since init.
     """
@@ -58,7 +55,6 @@ class PowerSGDState(NamedTuple):
     error: Any
     q: Any
     step: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -90,7 +86,6 @@ def powersgd(
     warm_start: bool = True,
     min_compression: float = 2.0,
     seed: int = 0,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """PowerSGD: all-reduce a rank-r approximation of each gradient matrix, with error feedback.
 
@@ -135,7 +130,8 @@ def powersgd(
     each of all leaves' ``P`` (``4 sum n r`` bytes), of all ``Q`` (``4 sum m r``) and of
     the uncompressed leaves (their bytes); ``2 (N - 1) / N`` times each payload, rounded
     down, sent and received. Before ``start_step``: one all-reduce of the whole gradient.
-    ``nonfinite`` adds its 4-byte flag.
+    A NaN/Inf would stay in the error feedback: `shoal.optim.skip_nonfinite` around the
+    chain skips such a step (its 4-byte flag is counted in the wrapper's state).
 
     ``Q`` starts, on every worker alike, from ``jax.random.normal(fold_in(fold_in(
     PRNGKey(seed), j), 0), (m, r))`` for the ``j``-th leaf (``jax.tree.leaves`` order);
@@ -153,7 +149,6 @@ def powersgd(
         a number > 0.
       seed: the seed of the initial (and, with ``warm_start=False``, every) ``Q``; the
         same on every worker.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
@@ -188,10 +183,9 @@ def powersgd(
       for Distributed Optimization", NeurIPS 2019.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
-    _check_int("rank", rank, 1)
-    _check_int("start_step", start_step, 0)
-    _check_int("seed", seed, None)
+    check_int("rank", rank, 1)
+    check_int("start_step", start_step, 0)
+    check_int("seed", seed, None)
     if not isinstance(warm_start, (bool, np.bool_)):
         raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
     min_compression = _check_min_compression(min_compression)
@@ -222,7 +216,6 @@ def powersgd(
             error=treedef.unflatten(error),
             q=treedef.unflatten(q),
             step=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
@@ -275,23 +268,13 @@ def powersgd(
             error=treedef.unflatten(errors),
             q=treedef.unflatten(qs),
             step=state.step + 1,
-            skipped=state.skipped,
             wire=state.wire.record(wire),
         )
         return treedef.unflatten(out), new_state
 
-    guarded = guard(update_fn, nonfinite, collective)
     return optax.GradientTransformationExtraArgs(
-        init_fn, checked("powersgd", PowerSGDState, guarded)
+        init_fn, checked("powersgd", PowerSGDState, update_fn)
     )
-
-
-def _check_int(name: str, value: Any, low: int | None) -> None:
-    bound = "an int" if low is None else f"an int >= {low}"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
 def _check_min_compression(value: Any) -> float:

@@ -18,13 +18,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
@@ -39,12 +37,10 @@ class SMAState(NamedTuple):
 
     Attributes:
       inner_state: state of the local optimizer.
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes sent and received by the most recent update and since init.
     """
 
     inner_state: Any
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -53,7 +49,6 @@ def sma(
     *,
     collective: Collective,
     alpha: float = 0.1,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Synchronous model averaging: pull each model towards the mean, then step locally.
 
@@ -77,7 +72,6 @@ def sma(
       collective: the workers whose models are averaged (`shoal.comms.Collective`).
       alpha: the averaging weight in ``(0, 1]``; may be injected with
         ``optax.inject_hyperparams`` (a traced value is not checked).
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
@@ -102,7 +96,6 @@ def sma(
       Koliousis et al., "Crossbow", VLDB 2019.
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     a = concrete_float(alpha)
     if a is not None and not 0.0 < a <= 1.0:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha!r}")
@@ -111,9 +104,7 @@ def sma(
     def init_fn(params):
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
-        return SMAState(
-            inner_state=inner.init(params), skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero()
-        )
+        return SMAState(inner_state=inner.init(params), wire=WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         require_params("sma", params)
@@ -123,7 +114,6 @@ def sma(
             lambda m, p, u: (alpha * (m - p) + u).astype(u.dtype), mean, params, inner_updates
         )
         wire = WireCount.of(*all_reduce_bytes(tree_nbytes(params), collective.size))
-        return out, SMAState(inner_state, state.skipped, state.wire.record(wire))
+        return out, SMAState(inner_state, state.wire.record(wire))
 
-    guarded = guard(update_fn, nonfinite, collective, needs_params="sma")
-    return optax.GradientTransformationExtraArgs(init_fn, checked("sma", SMAState, guarded))
+    return optax.GradientTransformationExtraArgs(init_fn, checked("sma", SMAState, update_fn))

@@ -40,7 +40,6 @@ from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.diloco import _cast_like, check_outer_args
 from shoal.optim.inplace import run_if
-from shoal.optim.nonfinite import guard
 from shoal.optim.validation import (
     check_floating_leaves,
     checked,
@@ -65,9 +64,8 @@ class StreamingDiLoCoState(NamedTuple):
         cannot change before the merge, since ``overlap < sync_every``.
       exchange_memory: one error-feedback tuple per fragment (``exchange.init``; ``()``
         without ``exchange`` or for a codec without memory).
-      step: int32 count of updates done (skipped steps excluded).
+      step: int32 count of updates done.
       rounds: int32 count of fragment outer steps done (one per fragment sync).
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of this transformation's own collectives in the most recent update and
         since init.
     """
@@ -79,7 +77,6 @@ class StreamingDiLoCoState(NamedTuple):
     exchange_memory: tuple
     step: jax.Array
     rounds: jax.Array
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -142,7 +139,6 @@ def streaming_diloco(
     overlap: int = 0,
     mix: float = 0.5,
     exchange: Compressor | None = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Streaming DiLoCo: DiLoCo's outer step on one fragment of the model at a time.
 
@@ -150,7 +146,7 @@ def streaming_diloco(
     of leaves in ``jax.tree.leaves`` order (the model's layer order), greedily balanced in
     bytes, a leaf never split (`split_fragments`). Each worker ``i`` applies ``inner`` to
     its own gradient at every update ``t = 1, 2, ...`` (``t = state.step + 1``, the
-    update's number, skipped steps not counted). Fragment ``p`` syncs on the updates
+    update's number). Fragment ``p`` syncs on the updates
     with ``(t - p H // F) % H == 0``, ``H = sync_every``: fragment 0 on ``H, 2H, ...``
     (diloco's schedule), fragment ``p`` first after ``p H // F`` updates, then every
     ``H``. After that update's inner step, reaching ``theta_i``, all ``N`` workers run
@@ -185,6 +181,8 @@ def streaming_diloco(
     ``update(grads, state, params)`` needs ``params`` (this worker's model) and returns
     updates with ``optax.apply_updates(params, updates)`` this worker's next model.
     Every worker must init from the same model, e.g. ``collective.broadcast(params, 0)``.
+    `shoal.optim.skip_nonfinite` around it skips steps with a NaN/Inf gradient (its
+    4-byte flag is all-reduced every update).
 
     Args:
       inner: the per-worker optimizer (e.g. ``optax.adamw(...)``), applied every update.
@@ -199,8 +197,6 @@ def streaming_diloco(
         (0: replace by ``theta_g[p]``; the paper's default 0.5).
       exchange: None (float32 all-reduce) or a `shoal.comms.Compressor` such as
         ``shoal.comms.Quantized("fp4")``.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`); the flag is
-        all-reduced every update (4 bytes; None removes it).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
@@ -232,14 +228,14 @@ def streaming_diloco(
       >>> params, sent = jax.vmap(train, axis_name="workers")(start, jnp.array([[1.0], [3.0]]))
       >>> print(params["a"].ravel(), params["b"].ravel())
       [1.5 1.5] [1. 2.]
-      >>> sent.numpy()  # 2 syncs of one float32 (4 bytes each) + 2 non-finite flags of 4
-      array([16, 16])
+      >>> sent.numpy()  # 2 syncs of one float32: 2 (N - 1) / N * 4 = 4 bytes each
+      array([8, 8])
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
       Distributed Free Lunch", arXiv:2501.18512, 2025.
     """
-    sync_every = check_outer_args(collective, nonfinite, inner, outer, sync_every, exchange)
+    sync_every = check_outer_args(collective, inner, outer, sync_every, exchange)
     _check_num_fragments(num_fragments)
     num_fragments = int(num_fragments)
     if (
@@ -297,7 +293,6 @@ def streaming_diloco(
             exchange_memory=memory,
             step=jnp.zeros((), jnp.int32),
             rounds=jnp.zeros((), jnp.int32),
-            skipped=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )
 
@@ -402,15 +397,13 @@ def streaming_diloco(
             exchange_memory=tuple(memories),
             step=state.step + 1,
             rounds=rounds,
-            skipped=state.skipped,
             wire=state.wire.record(wire),
         )
         return jax.tree.unflatten(treedef, out_leaves), new_state
 
-    guarded = guard(update_fn, nonfinite, collective, needs_params="streaming_diloco")
     return optax.GradientTransformationExtraArgs(
         init_fn,
-        checked("streaming_diloco", StreamingDiLoCoState, guarded, lambda s: s.global_params),
+        checked("streaming_diloco", StreamingDiLoCoState, update_fn, lambda s: s.global_params),
     )
 
 

@@ -12,7 +12,6 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.topk import TopK
 from shoal.comms.wire import WireCount, WireMeter
-from shoal.optim.nonfinite import check_nonfinite, guard
 from shoal.optim.validation import check_collective, checked
 
 
@@ -23,12 +22,10 @@ class TopKState(NamedTuple):
       error: the error feedback: one float32 vector of every leaf padded to whole chunks
         (with ``chunk_size``), or a tree like the params of one flat float32 vector per
         leaf (without).
-      skipped: int32 steps skipped for a non-finite gradient (`shoal.optim.nonfinite`).
       wire: bytes of the most recent update and since init.
     """
 
     error: Any
-    skipped: jax.Array
     wire: WireMeter
 
 
@@ -38,7 +35,6 @@ def topk(
     collective: Collective,
     chunk_size: int | None = None,
     value_bits: int | None = None,
-    nonfinite: str | None = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     """Top-k sparsification with error feedback: each worker sends its largest entries.
 
@@ -64,7 +60,6 @@ def topk(
       collective: the workers (`shoal.comms.Collective`).
       chunk_size: ``L``, a positive int, or None (one chunk per leaf).
       value_bits: None (float32 values) or 2, 4 or 8.
-      nonfinite: ``"skip"``, ``"raise"`` or None (`shoal.optim.nonfinite`).
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
@@ -95,7 +90,6 @@ def topk(
       Pre-training with SparseLoCo", arXiv:2508.15706 (2025).
     """
     check_collective(collective)
-    check_nonfinite(nonfinite)
     codec = TopK(fraction=fraction, chunk_size=chunk_size, value_bits=value_bits)
     size = collective.size
 
@@ -109,7 +103,7 @@ def topk(
             error = jax.tree.map(lambda x: codec.init(max(x.size, 1), size)[0], params)
         else:
             error = jnp.zeros(sum(padded(x) for x in leaves), jnp.float32)
-        return TopKState(error=error, skipped=jnp.zeros((), jnp.int32), wire=WireMeter.zero())
+        return TopKState(error=error, wire=WireMeter.zero())
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -138,8 +132,7 @@ def topk(
         new_state = state._replace(error=error, wire=state.wire.record(wire))
         return jax.tree.unflatten(treedef, out), new_state
 
-    guarded = guard(update_fn, nonfinite, collective)
-    return optax.GradientTransformationExtraArgs(init_fn, checked("topk", TopKState, guarded))
+    return optax.GradientTransformationExtraArgs(init_fn, checked("topk", TopKState, update_fn))
 
 
 def _nonempty(v: jax.Array) -> jax.Array:

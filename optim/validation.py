@@ -8,18 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shoal.comms.collective import missing_members
+
 
 def check_collective(collective: Any) -> None:
     """A collective must be a Collective value, never a callable (optax would call it as a
     schedule inside ``inject_hyperparams``)."""
     if callable(collective):
         raise TypeError("collective must be a shoal Collective object, not a callable")
-    for member in ("size", "rank", "all_reduce", "all_gather", "all_to_all"):
-        if not hasattr(collective, member):
-            raise TypeError(
-                f"collective must be a shoal Collective (missing .{member}), got "
-                f"{type(collective).__name__}"
-            )
+    missing = missing_members(collective)
+    if missing:
+        raise TypeError(
+            f"collective must be a shoal Collective (missing "
+            f"{', '.join('.' + m for m in missing)}), got {type(collective).__name__}"
+        )
 
 
 def concrete_float(value: Any) -> float | None:
@@ -31,6 +33,26 @@ def concrete_float(value: Any) -> float | None:
         return float(np.asarray(value))
     except (TypeError, ValueError) as e:
         raise TypeError(f"expected a real number, got {value!r}") from e
+
+
+def check_int(
+    name: str, value: Any, low: int | None = None, high: int | None = None, why: str = ""
+) -> int:
+    """``value`` as a Python int if it is an integer (Python or NumPy, not a bool) in
+    ``[low, high]`` (None: unbounded); otherwise a ValueError naming ``name``, the allowed
+    range and ``why`` (a reason for the bound, e.g. where ``high`` comes from)."""
+    if low is None and high is None:
+        allowed = "an int"
+    elif high is None:
+        allowed = f"an int >= {low}"
+    elif low is None:
+        allowed = f"an int <= {high}"
+    else:
+        allowed = f"an int in [{low}, {high}]"
+    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not is_int or (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}{why}, got {value!r}")
+    return int(value)
 
 
 def check_positive(name: str, value: Any) -> None:

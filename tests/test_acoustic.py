@@ -11,13 +11,13 @@ import harness
 import numpy as np
 import pytest
 
-from shoal.experiments.acoustic import HMM, HMMFrameTask, random_hmm
-from shoal.experiments.backends import SimBackend
-from shoal.experiments.cli import main
 from shoal.experiments.config import Config, ConfigError, load_file
-from shoal.experiments.study import Row, relative_reduction
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.cli import main
+from shoal.experiments.runner.study import Row, relative_reduction
+from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import GaussianMixtureTask, make_task
-from shoal.experiments.train import train
+from shoal.experiments.tasks.acoustic import HMM, HMMFrameTask, random_hmm
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process tests")
 
@@ -132,7 +132,7 @@ def test_lstm_loss_decreases_under_ssgd():
 
 STUDY_FILE = """
 from shoal.experiments.config import Config
-from shoal.experiments.study import Row, Study, Table
+from shoal.experiments.runner.study import Row, Study, Table
 
 
 def get_config():

@@ -8,7 +8,7 @@ import pytest
 from harness import n_workers, run_workers
 
 from shoal.comms import AxisCollective, WireCount, WireMeter, wire_bytes
-from shoal.optim import allreduce_gradients
+from shoal.optim import allreduce_gradients, skip_nonfinite
 
 N = n_workers()
 RNG = np.random.default_rng(0)
@@ -29,9 +29,8 @@ def test_mean_gradient_and_wire_bytes():
         u, state = tx.update(g, state, g)
         return u, wire_bytes(state, "step"), wire_bytes(state, "total")
 
-    # 4*3 + 3 + 3 = 18 float32 = 72 bytes; ring all-reduce: 2 (N-1) / N * 72 each way,
-    # plus the non-finite flag: one int32 all-reduced first, 2 (N-1) / N * 4 each way.
-    expect_bytes = 2 * (N - 1) * 72 // N + 2 * (N - 1) * 4 // N
+    # 4*3 + 3 + 3 = 18 float32 = 72 bytes; ring all-reduce: 2 (N-1) / N * 72 each way.
+    expect_bytes = 2 * (N - 1) * 72 // N
     for _, (u, w, total) in run_workers(worker, GRADS).items():
         for got, g in zip(jax.tree.leaves(u), jax.tree.leaves(GRADS)):
             np.testing.assert_allclose(got, -0.5 * g.mean(0), rtol=1e-6)
@@ -88,8 +87,8 @@ def test_336m_params_on_64_workers_trace_and_a_small_model_counts_exactly():
         assert (n.shape, n.dtype) == ((p,), jnp.uint32)  # (hi, lo) words per worker
 
     # The same step run for real on a small model (26 floats = 104 bytes) and 64 workers:
-    # 2 * 63 * 104 // 64 = 204 bytes of gradient plus 2 * 63 * 4 // 64 = 7 of the
-    # non-finite flag per step, each way; the total after three steps is three of them.
+    # 2 * 63 * 104 // 64 = 204 bytes of gradient per step, each way; the total after three
+    # steps is three of them.
     small = {"embed": jnp.ones((p, 2, 5)), "blocks": jnp.ones((p, 2, 2, 4))}
     state = jax.vmap(tx.init)(small)
     run = jax.jit(step)
@@ -98,9 +97,9 @@ def test_336m_params_on_64_workers_trace_and_a_small_model_counts_exactly():
         w, state = run(w, state, small)
     steps = jax.vmap(lambda s: wire_bytes(s, "step"))(state)
     totals = jax.vmap(lambda s: wire_bytes(s, "total"))(state)
-    assert np.asarray(steps.sent).tolist() == [211] * p
-    assert np.asarray(steps.received).tolist() == [211] * p
-    assert np.asarray(totals.sent).tolist() == [633] * p
+    assert np.asarray(steps.sent).tolist() == [204] * p
+    assert np.asarray(steps.received).tolist() == [204] * p
+    assert np.asarray(totals.sent).tolist() == [612] * p
     assert np.asarray(totals.received).dtype == np.int64
     np.testing.assert_allclose(w["embed"], 1 - 3 * 0.1, rtol=1e-6)
 
@@ -108,9 +107,10 @@ def test_336m_params_on_64_workers_trace_and_a_small_model_counts_exactly():
 def test_totals_add_up_over_steps_and_a_skipped_step():
     # 4 workers, 4 float32 gradients (16 bytes): per step 2 * 3 * 16 // 4 = 24 bytes of
     # gradient and 2 * 3 * 4 // 4 = 6 of the flag, each way. Step 1 (of 0..3) has a NaN
-    # on worker 2: every worker skips it and moves only the flag.
+    # on worker 2: every worker skips it (skip_nonfinite) and moves only the flag.
     coll = AxisCollective("workers", 4)
     tx = optax.chain(allreduce_gradients(collective=coll), optax.sgd(0.1))
+    tx = skip_nonfinite(tx, collective=coll)
     grads = np.ones((4, 4, 4), np.float32)  # [step, worker, element]
     grads[1, 2, 0] = np.nan
 
@@ -127,4 +127,4 @@ def test_totals_add_up_over_steps_and_a_skipped_step():
         totals.append(int(total.received[3]))
     assert steps == [30, 6, 30, 30]
     assert totals == [30, 36, 66, 96]
-    assert np.asarray(state[0].skipped).tolist() == [1] * 4
+    assert np.asarray(state.skipped).tolist() == [1] * 4

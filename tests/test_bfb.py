@@ -181,7 +181,6 @@ def test_colocated_equals_all_reduce_mean(buffer_bytes):
     plan = plan_fusion(one, buffer_bytes=buffer_bytes, num_shards=N)
     # all-to-all of each buffer (P-1)/P of it, all-gather of one shard to P-1 peers.
     expect = sum(2 * (N - 1) * b // N for b in plan.buffer_bytes)
-    expect += 2 * (N - 1) * 4 // N  # the non-finite flag: one int32 ring all-reduce
     for _, w in out.values():
         assert (int(w.sent), int(w.received)) == (expect, expect)
 
@@ -215,8 +214,6 @@ def test_hierarchical_equals_all_reduce_mean():
         expect += (local - 1) * b // local  # reduce-scatter in the node
         expect += 2 * (nodes - 1) * m // nodes  # colocated across nodes
         expect += (local - 1) * m  # all-gather in the node
-    # The non-finite flag: one int32 all-reduced in the node, then across nodes.
-    expect += 2 * (local - 1) * 4 // local + 2 * (nodes - 1) * 4 // nodes
     assert plan.shard_sizes[0] == 3  # 10 elements over 4 shards: every buffer padded to 12
     for _, w in out.values():
         assert (int(w.sent), int(w.received)) == (expect, expect)

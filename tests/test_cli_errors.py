@@ -11,7 +11,7 @@ import sys
 import harness
 import pytest
 
-from shoal.experiments.cli import main
+from shoal.experiments.runner.cli import main
 
 QUICKSTART = str(harness.QUICKSTART)
 PREFIX = "shoal-run: error:"
@@ -112,7 +112,7 @@ def test_argparse_type_error_names_the_option(capsys):
 def test_console_script_prints_no_traceback(name, tmp_path):
     args, words = CASES[name]
     proc = subprocess.run(
-        [sys.executable, "-m", "shoal.experiments.cli", QUICKSTART, *args],
+        [sys.executable, "-m", "shoal.experiments.runner.cli", QUICKSTART, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -206,7 +206,14 @@ def _alone(args, tmp_path, devices=1):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.run(
-        [sys.executable, "-m", "shoal.experiments.cli", "quickstart", *args, "--no-progress"],
+        [
+            sys.executable,
+            "-m",
+            "shoal.experiments.runner.cli",
+            "quickstart",
+            *args,
+            "--no-progress",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

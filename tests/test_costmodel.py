@@ -1,4 +1,4 @@
-"""shoal.comms.costmodel: every formula against a hand computation, its limits, the mapping
+"""shoal.costmodel: every formula against a hand computation, its limits, the mapping
 of groups to links, the per-step projection, argument checks, and the validation config
 (1-bit LAMB Table 2, Herring Table V) within 2x on the rows it claims."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from harness import UNDER_MPI
 
-from shoal.comms import costmodel as cm
-from shoal.comms.costmodel import Cluster, Event, Link, Projection, project, speedup
-from shoal.comms.costmodel import step_comm_time as comm
-from shoal.experiments.cli import main
+from shoal import costmodel as cm
+from shoal.costmodel import Cluster, Event, Link, Projection, project, speedup
+from shoal.costmodel import step_comm_time as comm
+from shoal.experiments.runner.cli import main
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="host-only arithmetic")
 

@@ -29,8 +29,8 @@ from harness import QUICKSTART, mpiexec, read_jsonl
 from shoal.comms import compressed_allreduce_bytes
 from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
 from shoal.experiments import algorithms
-from shoal.experiments.cli import main
 from shoal.experiments.config import apply_overrides, load_file
+from shoal.experiments.runner.cli import main
 from shoal.experiments.tasks import make_task
 from shoal.optim.gtc import resolve_capacity
 
@@ -56,7 +56,7 @@ def jax_run(
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // processes}",
     )
-    cmd = [sys.executable, "-m", "shoal.experiments.cli", "--backend", "jax", *args]
+    cmd = [sys.executable, "-m", "shoal.experiments.runner.cli", "--backend", "jax", *args]
     if processes > 1:
         exe = mpiexec()
         if exe is None:

@@ -6,8 +6,6 @@ itself, so this file runs in the single-process suite."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import signal
@@ -18,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from harness import QUICKSTART, UNDER_MPI, mpiexec
+
+from shoal.experiments.runner.checkpoint import COMMITTED, read
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec jobs")
 
@@ -31,7 +31,7 @@ def command(out: Path, *extra: str, servers: int = 0, algorithm: str = "ssgd") -
     exe = mpiexec()
     if exe is None:
         pytest.skip("mpiexec not found")
-    return [exe, "-n", str(RANKS), sys.executable, "-m", "shoal.experiments.cli",
+    return [exe, "-n", str(RANKS), sys.executable, "-m", "shoal.experiments.runner.cli",
             str(QUICKSTART), "--backend", "mpi", "--servers", str(servers), "--no-progress",
             "--set", *SETS, f"algorithms={algorithm}", "--out", str(out),
             *extra]  # fmt: skip
@@ -52,16 +52,18 @@ def rank_pid(out: Path, rank: int) -> int | None:
         except OSError:
             continue
         if str(out).encode() in cmdline and f"PMI_RANK={rank}".encode() in environ:
-            if b"shoal.experiments.cli" in cmdline:
+            if b"shoal.experiments.runner.cli" in cmdline:
                 return int(entry.name)
     return None
 
 
 def committed(folder: Path) -> dict[int, list[Path]]:
-    """step -> its sidecars, over all ranks."""
+    """step -> its step folders, over all ranks: those `save` marked committed, after
+    orbax's rename and an fsync of every file."""
     steps: dict[int, list[Path]] = {}
-    for side in folder.glob("step_*.json"):
-        steps.setdefault(int(side.name.split("_")[1].split(".")[0]), []).append(side)
+    for marker in folder.glob(f"rank_*/step_*/{COMMITTED}"):
+        step = marker.parent
+        steps.setdefault(int(step.name.removeprefix("step_")), []).append(step)
     return steps
 
 
@@ -93,16 +95,14 @@ def kill_mid_run(out: Path, victim: int, servers: int, workers: int, algorithm: 
 
 
 def check_intact(folder: Path, workers: int) -> int:
-    """Every committed checkpoint's payload matches its sidecar's checksum; returns the
-    newest step committed by every worker (the one ``--resume`` must pick)."""
+    """Every committed checkpoint reads back verified (`read` checks every array's and the
+    JSON part's sha256); returns the newest step committed by every worker (the one
+    ``--resume`` must pick)."""
     steps = committed(folder)
-    for sides in steps.values():
-        for side in sides:
-            meta = json.loads(side.read_text())
-            data = side.with_suffix(".msgpack").read_bytes()
-            assert len(data) == meta["bytes"]
-            assert hashlib.sha256(data).hexdigest() == meta["sha256"], side
-    complete = [s for s, sides in steps.items() if len(sides) == workers]
+    for folders in steps.values():
+        for step in folders:
+            read(step)
+    complete = [s for s, folders in steps.items() if len(folders) == workers]
     assert complete and all(s % EVERY == 0 for s in complete)
     return max(complete)
 
@@ -135,7 +135,7 @@ def test_raise_policy_stops_every_rank(tmp_path):
     exe = mpiexec()
     if exe is None:
         pytest.skip("mpiexec not found")
-    cmd = [exe, "-n", str(RANKS), sys.executable, "-m", "shoal.experiments.cli",
+    cmd = [exe, "-n", str(RANKS), sys.executable, "-m", "shoal.experiments.runner.cli",
            str(QUICKSTART), "--backend", "mpi", "--no-progress", "--set", "steps=20",
            "algorithms=gtc", "project_workers=0", "nonfinite=raise", "inject_nonfinite=7:1",
            "--out", str(tmp_path)]  # fmt: skip

@@ -14,24 +14,26 @@ import pytest
 from harness import QUICKSTART
 
 from shoal.experiments import algorithms
-from shoal.experiments.backends import SimBackend
-from shoal.experiments.cli import main
 from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.cli import main
+from shoal.experiments.runner.train import compile_step, train
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.experiments.train import compile_step, train
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="simulated workers only")
 
 WORKERS = 8
 CHUNK = 2
-# Eight steps of every quickstart algorithm: two BMUF blocks, 1-bit LAMB compressing from
-# step 5, adaptive's policy asked at step 4 (threshold 0: it switches to PGX), and a NaN in
-# worker 5's gradient at step 3 (skipped on every worker), so every path of the step runs.
+# Eight steps of every quickstart algorithm: two BMUF blocks (and DiLoCo rounds), 1-bit
+# LAMB compressing from step 5, adaptive's policy asked at step 4 (threshold 0: it switches
+# to PGX), and a NaN in worker 5's gradient at step 3 (skipped on every worker), so every
+# path of the step runs.
 SETS = [
     f"workers={WORKERS}",
     "steps=8",
     "eval_every=4",
     "block_size=4",
+    "diloco_sync_every=4",
     "onebit_freeze_step=4",
     "policy_every=4",
     "policy_after=0",
@@ -74,7 +76,7 @@ def test_gradients_run_in_chunks_of_k_workers(setup):
     """The compiled step maps over WORKERS / CHUNK chunks, each CHUNK workers under vmap."""
     cfg, task = setup
     backend = SimBackend(WORKERS)
-    tx = algorithms.build("ssgd", cfg, backend.collective)
+    tx = algorithms.resolve("ssgd", cfg).build(backend.collective)
     params = backend.replicate(task.init_params())
     x, y = task.batch(0, WORKERS)
     args = (params, backend.spmd(tx.init)(params), x, y)
@@ -139,8 +141,10 @@ def test_cli_refuses_grad_chunk_with_mpi(monkeypatch, capsys, tmp_path):
     class Ranks(_Backend):
         is_root, is_server, servers = True, False, None
 
-    monkeypatch.setattr("shoal.experiments.cli.make_backend", lambda *a, **k: Ranks("mpi", 4))
-    monkeypatch.setattr("shoal.experiments.cli._mpi_world_size", lambda: 4)
+    monkeypatch.setattr(
+        "shoal.experiments.runner.cli.make_backend", lambda *a, **k: Ranks("mpi", 4)
+    )
+    monkeypatch.setattr("shoal.experiments.runner.cli._mpi_world_size", lambda: 4)
     argv = [str(QUICKSTART), "--backend", "mpi", "--set", "grad_chunk=2"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from shoal.experiments import bert
-from shoal.experiments.analysis import Analysis, run_analysis
-from shoal.experiments.cli import main
 from shoal.experiments.config import ConfigError
 from shoal.experiments.configs import herring_table3 as h3
+from shoal.experiments.runner.analysis import Analysis, run_analysis
+from shoal.experiments.runner.cli import main
+from shoal.experiments.tasks import bert
 
 CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "herring_table3.py"
 

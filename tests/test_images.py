@@ -12,9 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from shoal.experiments.backends import SimBackend
 from shoal.experiments.config import Config
-from shoal.experiments.images import (
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.train import train
+from shoal.experiments.tasks.images import (
     CNN,
     IMAGE_SIZE,
     ImageTask,
@@ -22,7 +23,6 @@ from shoal.experiments.images import (
     make_glyphs,
     matched_filter_predict,
 )
-from shoal.experiments.train import train
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process tests")
 

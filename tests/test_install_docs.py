@@ -51,7 +51,7 @@ def test_version():
 # Found by a benchmark that imported shoal.kernels first: kernels -> comms -> compressed ->
 # kernels (half initialised) raised ImportError. Each package must import on its own.
 @pytest.mark.parametrize(
-    "module", ["shoal.kernels", "shoal.comms", "shoal.optim", "shoal.experiments.cli"]
+    "module", ["shoal.kernels", "shoal.comms", "shoal.optim", "shoal.experiments.runner.cli"]
 )
 def test_each_package_imports_first(module):
     out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,

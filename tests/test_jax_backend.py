@@ -13,7 +13,7 @@ import harness
 import pytest
 from harness import QUICKSTART, assert_same_run, mpiexec, read_jsonl
 
-from shoal.experiments.cli import main
+from shoal.experiments.runner.cli import main
 
 # Each test starts its own jax.distributed job under mpiexec.
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start their own MPI")
@@ -40,7 +40,7 @@ def launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 def test_jax_backend_matches_sim(tmp_path):
     sim_out, jax_out = tmp_path / "sim", tmp_path / "jax"
     assert main([str(QUICKSTART), *SMALL, "--out", str(sim_out)]) == 0
-    launch(["-m", "shoal.experiments.cli", str(QUICKSTART), "--backend", "jax", *SMALL,
+    launch(["-m", "shoal.experiments.runner.cli", str(QUICKSTART), "--backend", "jax", *SMALL,
             "--out", str(jax_out)])  # fmt: skip
     sim, dist = read_jsonl(sim_out / "metrics.jsonl"), read_jsonl(jax_out / "metrics.jsonl")
     assert len(dist) == len(sim) == STEPS * len(ALGORITHMS)
@@ -55,7 +55,7 @@ LAYOUT = textwrap.dedent("""
     from pathlib import Path
 
     import numpy as np
-    from shoal.experiments.backends import make_backend
+    from shoal.experiments.runner.backends import make_backend
 
     b = make_backend("jax")
     assert b.size == 4 and b.local_ranks == (b.rank,), (b.size, b.local_ranks)

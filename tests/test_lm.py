@@ -14,10 +14,10 @@ import pytest
 
 from shoal.comms import compressed_allreduce_bytes, tree_nbytes
 from shoal.experiments import algorithms
-from shoal.experiments.cli import main
 from shoal.experiments.config import Config, ConfigError
-from shoal.experiments.lm import ByteLMTask, load_corpus, stdlib_files, windows
-from shoal.experiments.report import SAMPLES_PLOT, volume_reduction
+from shoal.experiments.reports import SAMPLES_PLOT, volume_reduction
+from shoal.experiments.runner.cli import main
+from shoal.experiments.tasks.lm import ByteLMTask, load_corpus, stdlib_files, windows
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process tests")
 
@@ -150,6 +150,6 @@ def test_volume_formula_and_freeze_step():
     assert algorithms.freeze_step(Config(steps=200, onebit_freeze_fraction=0.15)) == 30
     assert algorithms.freeze_step(Config(steps=200, onebit_freeze_step=7)) == 7
     with pytest.raises(ConfigError, match="freeze step 200 must be less than steps"):
-        algorithms.check_known(("onebit_lamb",), Config(steps=200, onebit_freeze_step=200))
+        algorithms.resolve("onebit_lamb", Config(steps=200, onebit_freeze_step=200))
     with pytest.raises(ConfigError, match="lm_heads"):
         Config(lm_width=30, lm_heads=4)

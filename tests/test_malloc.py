@@ -1,4 +1,4 @@
-"""`shoal.experiments.malloc`: with SHOAL_MALLOC=keep (the default of `shoal-run --backend
+"""`shoal.experiments.runner.malloc`: with SHOAL_MALLOC=keep (the default of `shoal-run --backend
 mpi|jax`), commands restart once with glibc's heap kept; otherwise nothing changes."""
 
 import os
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from shoal.experiments import malloc
+from shoal.experiments.runner import malloc
 
 PROBE = (
-    "import os; from shoal.experiments.malloc import reexec_with_tunables; "
+    "import os; from shoal.experiments.runner.malloc import reexec_with_tunables; "
     "print('start', os.getpid(), flush=True); reexec_with_tunables(); "
     "print('env', os.getpid(), os.environ.get('GLIBC_TUNABLES', ''))"
 )
@@ -72,7 +72,7 @@ def test_a_keep_default_restarts_unless_the_user_says_system(setting, restarts):
 
 
 def test_shoal_run_keeps_the_heap_for_one_worker_per_process():
-    from shoal.experiments.cli import _malloc_default
+    from shoal.experiments.runner.cli import _malloc_default
 
     assert _malloc_default(["quickstart", "--backend", "mpi"]) == "keep"
     assert _malloc_default(["quickstart", "--backend=jax", "--devices-per-worker", "2"]) == "keep"

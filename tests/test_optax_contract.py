@@ -1,5 +1,7 @@
 """Optax's contract for shoal's transformations (after optax/contrib/_common_test.py):
-they optimise a parabola, survive inject_hyperparams, and tree_map_params."""
+they optimise a parabola, survive inject_hyperparams, and tree_map_params; and the
+contract every shoal transformation shares: a collective is a Collective (never a
+callable), and an update that reads the model refuses a missing params by name."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from shoal.optim import (
     allreduce_gradients,
     bfb_allreduce,
     bmuf,
+    bmuf_gtc,
     demo,
     diloco,
     gradient_noise_scale,
@@ -21,7 +24,9 @@ from shoal.optim import (
     partial_exchange,
     peer_averaging,
     powersgd,
+    skip_nonfinite,
     sma,
+    streaming_diloco,
     topk,
 )
 
@@ -176,3 +181,73 @@ def test_can_be_wrapped_in_inject_hyperparams(name):
     )
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4), u, ui)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4), s, si.inner_state)
+
+
+# name -> factory(collective) of every communicating transformation; bmuf_gtc gets the
+# collective as both tiers.
+FACTORIES = {
+    "allreduce_gradients": lambda c: allreduce_gradients(collective=c),
+    "bfb_allreduce": lambda c: bfb_allreduce(collective=c),
+    "bmuf": lambda c: bmuf(optax.sgd(LR), collective=c, block_size=2),
+    "bmuf_gtc": lambda c: bmuf_gtc(optax.sgd(LR), intra=c, inter=c, block_size=2, threshold=0.1),
+    "demo": lambda c: demo(collective=c),
+    "diloco": lambda c: diloco(optax.sgd(LR), collective=c, sync_every=2, outer=optax.sgd(1.0)),
+    "gradient_noise_scale": lambda c: gradient_noise_scale(collective=c, local_batch_size=8),
+    "gtc": lambda c: gtc(0.1, collective=c),
+    "onebit_adam": lambda c: onebit_adam(0.01, collective=c, freeze_step=1),
+    "onebit_lamb": lambda c: onebit_lamb(0.01, collective=c, freeze_step=1),
+    "partial_exchange": lambda c: partial_exchange(1.0, collective=c),
+    "peer_averaging": lambda c: peer_averaging(optax.sgd(LR), collective=c),
+    "powersgd": lambda c: powersgd(1, collective=c),
+    "skip_nonfinite": lambda c: skip_nonfinite(optax.sgd(LR), collective=c),
+    "sma": lambda c: sma(optax.sgd(LR), collective=c),
+    "streaming_diloco": lambda c: streaming_diloco(
+        optax.sgd(LR), collective=c, sync_every=2, outer=optax.sgd(1.0), num_fragments=1
+    ),
+    "topk": lambda c: topk(0.5, collective=c),
+}
+# Those whose update reads the model: a missing params is refused by name.
+NEEDS_PARAMS = (
+    "bmuf",
+    "bmuf_gtc",
+    "diloco",
+    "onebit_adam",
+    "onebit_lamb",
+    "peer_averaging",
+    "sma",
+    "streaming_diloco",
+)
+
+
+def test_every_transformation_is_listed():
+    import inspect
+
+    import shoal.optim as optim
+
+    helpers = {"noise_scale", "peer_permutation", "pgx_partition"}
+    public = {n for n in optim.__all__ if inspect.isfunction(getattr(optim, n))} - helpers
+    assert set(FACTORIES) == public
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_collective_must_be_a_collective_not_a_callable(name):
+    # optax.inject_hyperparams would call a callable argument as a schedule.
+    with pytest.raises(TypeError, match="shoal Collective object, not a callable"):
+        FACTORIES[name](lambda x: x)
+    with pytest.raises(TypeError, match=r"must be a shoal Collective \(missing \.size.*got str"):
+        FACTORIES[name]("workers")
+
+
+@pytest.mark.parametrize("name", NEEDS_PARAMS)
+def test_params_are_required(name):
+    # Refused at trace time, before any collective runs.
+    params = {"w": jnp.zeros((2, 3))}
+    if name == "bmuf_gtc":  # two tiers: groups of one, two groups
+        tx = bmuf_gtc(optax.sgd(LR), intra=AxisCollective("member", 1),
+                      inter=AxisCollective("workers", 2), block_size=2, threshold=0.1)  # fmt: skip
+    else:
+        tx = FACTORIES[name](AxisCollective("workers", 2))
+    state = jax.vmap(tx.init)(params)
+    update = jax.vmap(lambda g, s: tx.update(g, s), axis_name="workers")
+    with pytest.raises(ValueError, match=f"^{name} needs params: call update"):
+        update(params, state)

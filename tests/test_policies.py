@@ -9,11 +9,11 @@ import pytest
 from harness import QUICKSTART
 
 from shoal.comms import tree_nbytes
-from shoal.experiments.backends import SimBackend
 from shoal.experiments.config import apply_overrides, load_config
-from shoal.experiments.policies import noise_scale_switch
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.policies import noise_scale_switch
+from shoal.experiments.runner.train import carry_state, train
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.experiments.train import carry_state, train
 from shoal.optim import gradient_noise_scale, partial_exchange, pgx_partition
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process runner tests")
@@ -129,7 +129,7 @@ def test_no_switch_below_the_threshold():
 
 def test_kungfu_config_runs_every_entry(tmp_path):
     """The experiment's ten entries build and train (3 steps, the policy forced to switch)."""
-    from shoal.experiments.cli import main
+    from shoal.experiments.runner.cli import main
 
     config = QUICKSTART.parent / "kungfu.py"
     sets = ["workers=2", "steps=3", "eval_every=3", "train_size=512", "test_size=64",

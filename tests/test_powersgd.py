@@ -24,10 +24,6 @@ GRADS = {k: RNG.normal(size=(N, STEPS, *s)).astype(np.float32) for k, s in SHAPE
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def flag_bytes(n):
-    return 2 * (n - 1) * 4 // n  # the int32 non-finite flag's all-reduce
-
-
 def ring(nbytes, n):
     return 2 * (n - 1) * nbytes // n
 
@@ -157,7 +153,7 @@ def test_matches_oracle(case):
                 np.testing.assert_array_equal(final.q[k], out[my_ranks()[0]][2].q[k])
             else:  # uncompressed: no error, no Q
                 assert state.error[k].shape == (0,) and final.q[k].shape == (0,)
-            assert int(final.step) == STEPS and int(final.skipped) == 0
+            assert int(final.step) == STEPS
     if case == "mixed":
         assert compressed_rank(SHAPES["t"], rank, min_c) == 0  # the case's premise
         assert compressed_rank(SHAPES["w"], rank, min_c) == 2
@@ -208,21 +204,19 @@ def test_before_start_step_the_update_is_the_all_reduced_mean():
             assert np.all(err[k][:start] == 0) and np.abs(err[k][start]).max() > 0.1
             assert not np.allclose(u[k][start], want[rk][k][start])
         n_bytes = 4 * sum(math.prod(s) for s in SHAPES.values())
-        plain = ring(n_bytes, N) + flag_bytes(N)
+        plain = ring(n_bytes, N)
         assert np.asarray(wire.sent).tolist()[:start] == [plain] * start
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nonfinite", ["skip", None], ids=["flag", "no-flag"])
-def test_wire_bytes_exact(nonfinite):
+def test_wire_bytes_exact():
     """rank 2, min_compression 1.25: w (6x5) compressed at rank 2, t and b uncompressed;
     one plain step first."""
-    kw = dict(rank=2, min_compression=1.25, start_step=1, nonfinite=nonfinite)
+    kw = dict(rank=2, min_compression=1.25, start_step=1)
     out = run_workers(worker_fn(lambda c: powersgd(collective=c, **kw)), GRADS)
-    flag = flag_bytes(N) if nonfinite else 0
-    plain = ring(4 * (5 + 24 + 30), N) + flag  # the whole gradient, 236 bytes
+    plain = ring(4 * (5 + 24 + 30), N)  # the whole gradient, 236 bytes
     p, q, rest = 4 * 6 * 2, 4 * 5 * 2, 4 * (5 + 24)  # P of w, Q of w, t and b batched
-    compressed = ring(p, N) + ring(q, N) + ring(rest, N) + flag
+    compressed = ring(p, N) + ring(q, N) + ring(rest, N)
     expect = [plain] + [compressed] * (STEPS - 1)
     for _, (_, _, wire), final in out.values():
         assert np.asarray(wire.sent).tolist() == expect
@@ -230,7 +224,7 @@ def test_wire_bytes_exact(nonfinite):
         total = int(final.wire.total.sent)
         assert total == int(final.wire.total.received) == sum(expect)
     if N == 4:  # the formula's values, written out
-        assert expect == [354 + 6 * bool(nonfinite)] + [72 + 60 + 174 + 6 * bool(nonfinite)] * 3
+        assert expect == [354] + [72 + 60 + 174] * 3
 
 
 @pytest.mark.mpi
@@ -246,10 +240,10 @@ def test_state_is_a_checkpointable_named_tuple():
     states = run_workers(worker, GRADS)
     for state in states.values():
         assert isinstance(state, PowerSGDState)
-        assert state._fields == ("error", "q", "step", "skipped", "wire")
+        assert state._fields == ("error", "q", "step", "wire")
         leaves = jax.tree.leaves(state)
         assert leaves and all(isinstance(x, jax.Array) for x in leaves)
-        assert state.step.dtype == jnp.int32 and state.skipped.dtype == jnp.int32
+        assert state.step.dtype == jnp.int32
 
     def resumed(coll, grads, saved):
         tx = powersgd(1, collective=coll)
@@ -274,23 +268,6 @@ def test_state_is_a_checkpointable_named_tuple():
     for r in a:
         for k in SHAPES:
             np.testing.assert_array_equal(a[r][k], b[r][k])
-
-
-def test_nonfinite_gradient_skips_the_step_on_every_worker():
-    workers = 2
-    coll = AxisCollective("w", workers)
-    tx = powersgd(1, collective=coll)
-    grads = {k: jnp.asarray(v[:workers, 0]) for k, v in GRADS.items()}
-    state = jax.vmap(tx.init)(grads)
-    _, state = jax.jit(jax.vmap(tx.update, axis_name="w"))(grads, state)  # a real step first
-    bad = {**grads, "b": grads["b"].at[1, 0].set(jnp.nan)}  # worker 1's bias
-    u, new = jax.jit(jax.vmap(tx.update, axis_name="w"))(bad, state)
-    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u))
-    assert np.asarray(new.skipped).tolist() == [1, 1]
-    assert np.asarray(new.step).tolist() == [1, 1]
-    same = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    jax.tree.map(same, (new.error, new.q), (state.error, state.q))
-    assert np.asarray(new.wire.step.sent).tolist() == [flag_bytes(workers)] * workers
 
 
 def test_mismatched_gradient_is_refused():
@@ -318,7 +295,6 @@ def test_mismatched_gradient_is_refused():
         (dict(start_step=1.0), "start_step must be an int >= 0"),
         (dict(warm_start="yes"), "warm_start must be True or False"),
         (dict(seed=0.5), "seed must be an int"),
-        (dict(nonfinite="ignore"), "nonfinite must be one of"),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):
@@ -326,10 +302,3 @@ def test_bad_hyperparameters(kwargs, match):
     rank = kwargs.pop("rank")
     with pytest.raises(ValueError, match=match):
         powersgd(rank, collective=world(), **kwargs)
-
-
-def test_collective_must_be_a_collective():
-    with pytest.raises(TypeError, match="not a callable"):
-        powersgd(1, collective=lambda x: x)
-    with pytest.raises(TypeError, match="must be a shoal Collective"):
-        powersgd(1, collective="workers")

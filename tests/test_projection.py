@@ -6,9 +6,9 @@ import pytest
 from harness import QUICKSTART
 
 from shoal.comms import Cluster, Event, step_comm_time, tree_nbytes
-from shoal.comms.costmodel import ring_all_reduce
+from shoal.costmodel import ring_all_reduce
 from shoal.experiments.config import ConfigError, apply_overrides, load_config
-from shoal.experiments.projection import project_run
+from shoal.experiments.runner.projection import project_run
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import pgx_partition
 

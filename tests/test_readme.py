@@ -204,7 +204,7 @@ def readme_paths() -> list[str]:
 
 def test_readme_paths_exist_in_the_repository():
     paths = readme_paths()
-    assert {"experiments/malloc.py", "examples/mpi_train.py", "install.sh"} <= set(paths)
+    assert {"experiments/runner/malloc.py", "examples/mpi_train.py", "install.sh"} <= set(paths)
     missing = [
         p
         for p in paths

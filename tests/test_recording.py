@@ -8,15 +8,22 @@ import optax
 import pytest
 from harness import UNDER_MPI
 
-from shoal.comms.costmodel import Event
 from shoal.comms.recording import RecordingCollective, record_events
-from shoal.optim import allreduce_gradients, bmuf, bmuf_gtc, partial_exchange, pgx_partition
+from shoal.costmodel import Event
+from shoal.optim import (
+    allreduce_gradients,
+    bmuf,
+    bmuf_gtc,
+    partial_exchange,
+    pgx_partition,
+    skip_nonfinite,
+)
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="single-process recording")
 
 PARAMS = {"a": jnp.zeros((10,)), "b": jnp.zeros((4, 5)), "c": jnp.zeros((2,))}  # 32 floats
 NBYTES = 4 * 32
-# Every update first all-reduces the non-finite flag, one int32 (shoal.optim.nonfinite).
+# skip_nonfinite all-reduces its non-finite flag, one int32, before the update it wraps.
 FLAG = Event("all_reduce", "world", 4)
 
 
@@ -24,17 +31,22 @@ def test_allreduce_logs_one_event_per_step():
     events = record_events(
         lambda c: allreduce_gradients(collective=c), PARAMS, workers=128, steps=3
     )
-    assert events == [[FLAG, Event("all_reduce", "world", NBYTES)]] * 3
+    assert events == [[Event("all_reduce", "world", NBYTES)]] * 3
 
 
 def test_bmuf_logs_only_its_block_steps():
     events = record_events(
         lambda c: bmuf(optax.sgd(0.1), collective=c, block_size=3), PARAMS, workers=16, steps=7
     )
-    assert all(ev[0] == FLAG for ev in events)  # the flag every step, before anything
-    synced = [t for t, ev in enumerate(events, 1) if ev[1:]]
-    assert synced == [3, 6]
-    assert all(e.kind == "all_reduce" and e.group == "world" for t in synced for e in events[t - 1])
+    # A local step communicates nothing at all; a block step all-reduces the model.
+    assert events == [[], [], [Event("all_reduce", "world", NBYTES)]] * 2 + [[]]
+
+
+def test_skip_nonfinite_adds_its_flag_to_every_step():
+    make = lambda c: skip_nonfinite(bmuf(optax.sgd(0.1), collective=c, block_size=3), collective=c)
+    events = record_events(make, PARAMS, workers=16, steps=7)
+    model = Event("all_reduce", "world", NBYTES)
+    assert events == [[FLAG], [FLAG], [FLAG, model]] * 2 + [[FLAG]]
 
 
 def test_pgx_cycles_its_bins():
@@ -46,21 +58,22 @@ def test_pgx_cycles_its_bins():
     sizes = {"['a']": 40, "['b']": 80, "['c']": 8}
     per_bin = [sum(sizes[p] for p in b) for b in bins]
     assert per_bin == [88, 40]
-    assert all(ev[0] == FLAG for ev in events)
-    assert [[e.nbytes for e in ev[1:]] for ev in events] == [[88], [40], [88], [40]]
+    assert [[e.nbytes for e in ev] for ev in events] == [[88], [40], [88], [40]]
 
 
 def test_two_tier_groups():
     events = record_events(
-        lambda tiers: bmuf_gtc(
-            optax.sgd(0.1), intra=tiers[0], inter=tiers[1], block_size=2, threshold=0.01
+        lambda tiers: skip_nonfinite(
+            bmuf_gtc(optax.sgd(0.1), intra=tiers[0], inter=tiers[1], block_size=2, threshold=0.01),
+            collective=tiers,
         ),
         PARAMS,
         workers=32,
         group_size=8,
         steps=4,
     )
-    # The flag is summed in the group, then across groups, before the algorithm runs.
+    # skip_nonfinite's flag is summed in the group, then across groups, before the
+    # algorithm runs.
     flags = [Event("all_reduce", "intra", 4), Event("all_reduce", "inter", 4)]
     for t, ev in enumerate(events, 1):
         assert ev[:2] == flags

@@ -17,9 +17,9 @@ from harness import QUICKSTART
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from shoal.experiments import report
-from shoal.experiments.cli import main
+from shoal.experiments import reports as report
 from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.runner.cli import main
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner starts its own workers")
 

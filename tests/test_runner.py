@@ -22,8 +22,6 @@ from harness import QUICKSTART, assert_same_run, mpiexec, mpiexec_per_rank, read
 from shoal.comms import tree_nbytes
 from shoal.comms.wire import all_reduce_bytes
 from shoal.experiments import algorithms
-from shoal.experiments.backends import SimBackend
-from shoal.experiments.cli import main, resolve_workers
 from shoal.experiments.config import (
     Config,
     ConfigError,
@@ -31,10 +29,13 @@ from shoal.experiments.config import (
     load_config,
     parse_value,
 )
-from shoal.experiments.report import PLOTS
+from shoal.experiments.reports import PLOTS
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.cli import main, resolve_workers
+from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.experiments.train import evaluated_params, train
 from shoal.optim import BMUFState
+from shoal.optim.readouts import evaluation_params
 
 # Each test launches its own workers (and one its own MPI job): no point in every rank
 # of an outer mpiexec repeating them.
@@ -110,7 +111,7 @@ def test_mpi_backend_matches_sim(sim_run, tmp_path):
     exe = mpiexec()
     if exe is None:
         pytest.skip("mpiexec not found")
-    cmd = [exe, "-n", str(WORKERS), sys.executable, "-m", "shoal.experiments.cli",
+    cmd = [exe, "-n", str(WORKERS), sys.executable, "-m", "shoal.experiments.runner.cli",
            str(QUICKSTART), "--backend", "mpi", *SMALL, "--out", str(tmp_path)]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -129,8 +130,8 @@ def test_dedicated_parameter_servers(sim_run, tmp_path):
     if exe is None:
         pytest.skip("mpiexec not found")
     servers = 2
-    args = [sys.executable, "-m", "shoal.experiments.cli", str(QUICKSTART), "--backend", "mpi",
-            "--servers", str(servers), "--no-progress", "--set", *SETS[:2],
+    args = [sys.executable, "-m", "shoal.experiments.runner.cli", str(QUICKSTART),
+            "--backend", "mpi", "--servers", str(servers), "--no-progress", "--set", *SETS[:2],
             "algorithms=ssgd,bfb", "project_workers=0", "--out", str(tmp_path / "run")]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc, stdout = mpiexec_per_rank(WORKERS + servers, args, tmp_path / "stdout", timeout=300,
@@ -158,7 +159,7 @@ def test_servers_end_when_the_config_is_wrong():
     exe = mpiexec()
     if exe is None:
         pytest.skip("mpiexec not found")
-    cmd = [exe, "-n", "3", sys.executable, "-m", "shoal.experiments.cli", str(QUICKSTART),
+    cmd = [exe, "-n", "3", sys.executable, "-m", "shoal.experiments.runner.cli", str(QUICKSTART),
            "--backend", "mpi", "--servers", "1", "--set", "no_such_key=1"]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
@@ -325,9 +326,10 @@ def test_override_errors(capsys):
     assert main([str(QUICKSTART), "--set", "algorithms=bmuf_gtc[warmup_steps=10]"]) == 2
     assert "no warm-up" in capsys.readouterr().err
     assert main([str(QUICKSTART), "--workers", "1", "--set", "algorithms=bmuf", "block_lr=2"]) == 2
-    assert "set block_momentum" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="block_momentum"):
-        apply_overrides(Config(), ["block_momentum=1.0"])
+    assert "pass block_momentum explicitly" in capsys.readouterr().err
+    # The transformation checks its hyper-parameters: bmuf's message, at resolve time.
+    with pytest.raises(ConfigError, match=r"'bmuf'.*block_momentum must lie in \[0, 1\)"):
+        algorithms.resolve("bmuf", apply_overrides(Config(steps=20), ["block_momentum=1.0"]))
 
 
 def test_entry_overrides_reach_the_builder():
@@ -336,9 +338,13 @@ def test_entry_overrides_reach_the_builder():
         "gtc",
         ["gtc_threshold=0.2", "gtc_capacity=0.5"],
     )
-    sub = algorithms.entry_config("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", cfg)
-    assert (sub.gtc_threshold, sub.gtc_capacity) == (0.2, 0.5)
-    assert algorithms.entry_config("gtc", cfg) == cfg
+    entry = algorithms.resolve("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", cfg)
+    assert (entry.label, entry.name) == ("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", "gtc")
+    assert (entry.cfg.gtc_threshold, entry.cfg.gtc_capacity) == (0.2, 0.5)
+    assert algorithms.resolve("gtc", cfg).cfg == cfg
+    assert algorithms.resolve(entry, cfg) is entry  # resolved once, passed down as is
+    # A policy's changes apply on top of the entry's overrides.
+    assert entry.config({"gtc_capacity": 0.25}).gtc_capacity == 0.25
 
 
 def test_two_tier_sim_layout():
@@ -401,11 +407,11 @@ def test_bmuf_evaluates_the_global_model():
         assert result.summary["test_accuracy"] == pytest.approx(acc, abs=1e-6)
 
 
-def test_evaluated_params_picks_the_global_model():
-    state = lambda filtered: BMUFState((), "W_g", None, filtered, 0, 0, 0, None)
-    assert evaluated_params("params", (optax.EmptyState(),)) == "params"
-    assert evaluated_params("params", (optax.EmptyState(), state(None))) == "W_g"
-    assert evaluated_params("params", {"bmuf": state("W")}) == "W"  # nbm="chen_huo"
+def test_evaluation_params_picks_the_global_model():
+    state = lambda filtered: BMUFState((), "W_g", None, filtered, 0, 0, None)
+    assert evaluation_params("params", (optax.EmptyState(),)) == "params"
+    assert evaluation_params("params", (optax.EmptyState(), state(None))) == "W_g"
+    assert evaluation_params("params", {"bmuf": state("W")}) == "W"  # nbm="chen_huo"
 
 
 def test_bmuf_degenerate_cases_through_the_runner():

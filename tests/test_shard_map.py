@@ -27,7 +27,7 @@ import sharded_workers  # noqa: E402
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="one process, 8 host devices")
 
 # Same arithmetic on both engines: permutations, gathers and element-wise updates.
-EXACT = {"gtc", "gtc_unguarded", "gtc_nan", "peer", "sma", "bmuf_gtc"}
+EXACT = {"gtc", "gtc_nan", "peer", "sma", "bmuf_gtc", "bmuf_gtc_nan"}
 # Two-tier GTC under the skip guard: the same arithmetic, but the two engines' compiled
 # programs round an element 1 ulp apart (seen since the scan trainer and gtc's flat
 # residual), so it is held to 1 ulp.
@@ -84,9 +84,12 @@ def test_shard_map_matches_vmap(results, case):
 
 
 def test_nan_cases_skip_the_bad_step(results):
-    # The NaN step is skipped on every worker and leaves nothing non-finite behind; the
-    # params differ from the run without the NaN (a step really was skipped).
-    for case in [c for c in mesh_cases.FLAT if c.endswith("_nan")]:
+    # The NaN step is skipped on every worker (skip_nonfinite) and leaves nothing
+    # non-finite behind; the params differ from the run without the NaN (a step really
+    # was skipped).
+    cases = [c for c in (*mesh_cases.FLAT, *mesh_cases.TIERS) if c.endswith("_nan")]
+    assert len(cases) == 7
+    for case in cases:
         leaves = [v for k, v in results.items() if k.startswith(f"{case}/mesh/")]
         for leaf in leaves:
             if np.issubdtype(leaf.dtype, np.floating):

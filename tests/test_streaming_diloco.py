@@ -10,8 +10,8 @@ from harness import n_workers, run_workers
 from jax import lax
 
 from shoal.comms import AxisCollective, Float32, Quantized, wire_bytes
-from shoal.comms.wire import all_reduce_bytes
 from shoal.optim.diloco import diloco
+from shoal.optim.nonfinite import skip_nonfinite
 from shoal.optim.streaming_diloco import (
     StreamingDiLoCoState,
     split_fragments,
@@ -234,14 +234,11 @@ def test_split_balances_bytes_in_leaf_order():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nonfinite", ["skip", None], ids=["flag", "no-flag"])
-def test_wire_bytes_per_syncing_fragment(nonfinite):
+def test_wire_bytes_per_syncing_fragment():
     steps = 2 * H
-    out = run_workers(worker_fn(streaming(nonfinite=nonfinite), steps), P0, X, Y)
-    flag = all_reduce_bytes(4, N)[0] if nonfinite else 0
+    out = run_workers(worker_fn(streaming(), steps), P0, X, Y)
     expect = [
-        flag + sum(2 * (N - 1) * FRAGMENT_BYTES[p] // N for p in syncing(t))
-        for t in range(1, steps + 1)
+        sum(2 * (N - 1) * FRAGMENT_BYTES[p] // N for p in syncing(t)) for t in range(1, steps + 1)
     ]
     assert [len(syncing(t)) for t in range(1, steps + 1)] == [0, 1] * H  # one at a time
     for (_, _, wire), state in out.values():
@@ -272,7 +269,7 @@ def test_peak_bytes_are_one_fragment():
 
         return np.asarray(jax.jit(jax.vmap(one, axis_name="w"))(params, targets))
 
-    kw = dict(collective=coll, sync_every=sync_every, outer=optax.sgd(1.0), nonfinite=None)
+    kw = dict(collective=coll, sync_every=sync_every, outer=optax.sgd(1.0))
     stream = run(streaming_diloco(optax.sgd(0.1), num_fragments=fragments, **kw))
     base = run(diloco(optax.sgd(0.1), **kw))
     total = 6 * 16
@@ -297,7 +294,7 @@ def test_quantized_exchange_is_the_compressor_mean():
     def worker(coll, p0, x, y):
         params = coll.broadcast(p0, 0)
         tx = streaming_diloco(inner(), collective=coll, sync_every=H, outer=optax.sgd(1.0),
-                              num_fragments=F, exchange=codec, nonfinite=None)  # fmt: skip
+                              num_fragments=F, exchange=codec)  # fmt: skip
         state = tx.init(params)
         got, want, mem_got, mem_want, sent = [], [], [], [], []
         for step in range(steps):  # unrolled: which fragment syncs is static
@@ -350,19 +347,23 @@ def test_float32_exchange_equals_plain_all_reduce():
 
 
 def test_nonfinite_gradient_skips_the_step_on_every_worker():
+    # In skip_nonfinite, with a merge pending (overlap 1): nothing moves.
     workers = 2
     coll = AxisCollective("w", workers)
-    tx = streaming(sync_every=2, num_fragments=2, overlap=1)(coll)
+    tx = skip_nonfinite(streaming(sync_every=2, num_fragments=2, overlap=1)(coll), collective=coll)
     params = {"b": jnp.ones((workers, K)), "w": jnp.ones((workers, 3, K))}
     state = jax.vmap(tx.init)(params)
+    _, state = jax.jit(jax.vmap(tx.update, axis_name="w"))(params, state, params)
+    _, state = jax.jit(jax.vmap(tx.update, axis_name="w"))(params, state, params)
+    assert np.asarray(state.inner_state.pending[0]).tolist() == [3, 3]  # due at update 3
     bad = jax.tree.map(lambda p: p.at[1].set(jnp.nan), params)  # worker 1's gradient
     u, new = jax.jit(jax.vmap(tx.update, axis_name="w"))(bad, state, params)
     assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u))
     assert np.asarray(new.skipped).tolist() == [1, 1]
-    assert np.asarray(new.step).tolist() == [0, 0]
+    assert np.asarray(new.inner_state.step).tolist() == [2, 2]
     same = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    kept = lambda s: (s.inner_state, s.outer_states, s.global_params, s.pending)
-    jax.tree.map(same, kept(new), kept(state))
+    kept = lambda s: (s.inner_state, s.outer_states, s.global_params, s.pending, s.rounds)
+    jax.tree.map(same, kept(new.inner_state), kept(state.inner_state))
 
 
 @pytest.mark.parametrize(
@@ -381,7 +382,6 @@ def test_nonfinite_gradient_skips_the_step_on_every_worker():
         (dict(exchange=optax.sgd(1.0)), "exchange must be None or a shoal.comms.Compressor"),
         (dict(sync_every=0), "sync_every must be an int >= 1"),
         (dict(outer=optax.sgd), r"outer must be an optax.GradientTransformation.*called"),
-        (dict(nonfinite="ignore"), "nonfinite must be one of"),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):
@@ -396,12 +396,3 @@ def test_more_fragments_than_leaves():
         tx.init(params)
     with pytest.raises(ValueError, match="num_fragments must be <="):
         split_fragments(params, 5)
-
-
-def test_params_are_required():
-    coll = AxisCollective("w", 1)
-    tx = streaming(num_fragments=1)(coll)
-    params = {"w": jnp.zeros((1, 3))}
-    state = jax.vmap(tx.init)(params)
-    with pytest.raises(ValueError, match="streaming_diloco needs params"):
-        jax.vmap(lambda g, s: tx.update(g, s), axis_name="w")(params, state)

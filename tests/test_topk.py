@@ -10,7 +10,7 @@ from harness import UNDER_MPI, n_workers, run_workers, world
 from topk_oracle import np_topk
 
 from shoal.comms import wire_bytes
-from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
+from shoal.comms.wire import all_gather_bytes
 from shoal.optim import allreduce_gradients, topk
 
 N = n_workers()
@@ -132,13 +132,11 @@ def test_nothing_is_dropped():
 @pytest.mark.mpi
 def test_wire_bytes():
     # chunk 4, fraction 0.5: b (3 -> 1 chunk), s (1 -> 1 chunk), w (30 -> 8 chunks): 10
-    # chunks of 2 float32 values and 2 uint16 indices, all-gathered from N - 1 others;
-    # and the non-finite flag's all-reduce (one int32).
-    flag = all_reduce_bytes(4, N)[0]
+    # chunks of 2 float32 values and 2 uint16 indices, all-gathered from N - 1 others.
     for *_, sent in run(topk(0.5, collective=world(), chunk_size=4)).values():
-        assert np.asarray(sent).tolist() == [all_gather_bytes(10 * 2 * 6, N)[0] + flag] * STEPS
+        assert np.asarray(sent).tolist() == [all_gather_bytes(10 * 2 * 6, N)[0]] * STEPS
     # Per leaf (no chunks): k = ceil(0.5 n): 2, 1 and 15 values, one all-gather each.
-    per_leaf = sum(all_gather_bytes(k * 6, N)[0] for k in (2, 1, 15)) + flag
+    per_leaf = sum(all_gather_bytes(k * 6, N)[0] for k in (2, 1, 15))
     for *_, sent in run(topk(0.5, collective=world())).values():
         assert np.asarray(sent).tolist() == [per_leaf] * STEPS
 

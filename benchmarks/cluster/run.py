@@ -239,7 +239,7 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     from shoal.comms import record_events, step_comm_time
     from shoal.experiments import algorithms
     from shoal.experiments.config import apply_overrides, load_config
-    from shoal.experiments.projection import compute_seconds
+    from shoal.experiments.runner.projection import compute_seconds
     from shoal.experiments.tasks import make_task
 
     cfg = apply_overrides(load_config(CONFIG), setup.overrides(algorithms_))
@@ -250,9 +250,10 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     last = setup.steps - 1
     comm = {}
     for name in algorithms_:
-        gs = algorithms.group_size(name, cfg)
+        entry = algorithms.resolve(name, cfg)
+        gs = entry.group_size
         steps = record_events(
-            lambda c, name=name: algorithms.build(name, cfg, c, context),
+            lambda c, entry=entry: entry.build(c, context),
             params, workers=setup.hosts, steps=last, group_size=gs,
         )  # fmt: skip
         window = steps[setup.first_timed - 1 : last]

@@ -1,5 +1,5 @@
 """The acoustic-modelling stand-in: an LSTM frame classifier on HMM sequences
-(`shoal.experiments.acoustic`), S-SGD, GTC, BMUF and BMUF_GTC on 8 simulated workers
+(`shoal.experiments.tasks.acoustic`), S-SGD, GTC, BMUF and BMUF_GTC on 8 simulated workers
 for 2 epochs (about a minute on 2 CPU cores).
 
 Run with ``shoal-run experiments/configs/acoustic.py``. The paper-style tables over

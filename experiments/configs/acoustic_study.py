@@ -1,5 +1,5 @@
 """The shape of Ladkat et al.'s Tables 1-3 at CPU scale: S-SGD, GTC, BMUF and two-tier
-BMUF_GTC on the acoustic-modelling stand-in (`shoal.experiments.acoustic`), every run
+BMUF_GTC on the acoustic-modelling stand-in (`shoal.experiments.tasks.acoustic`), every run
 2 epochs of the same data, frame error relative to one-worker SGD.
 
 Run with ``shoal-run experiments/configs/acoustic_study.py`` (about 4 minutes on 2 CPU
@@ -13,7 +13,7 @@ import dataclasses
 
 from shoal.experiments.configs.acoustic import entries
 from shoal.experiments.configs.acoustic import get_config as acoustic
-from shoal.experiments.study import Row, Study, Table
+from shoal.experiments.runner.study import Row, Study, Table
 
 WORKERS = (8, 16, 32)
 LARGEST = WORKERS[-1]

@@ -7,7 +7,7 @@ Run with ``shoal-run experiments/configs/compression_pareto.py``. Entries: S-SGD
 of 64), DeMo, and DiLoCo (H = 10) with a float32 and with a top-k exchange (SparseLoCo's:
 10% of each chunk, 2-bit values). ``loss_vs_mb.png`` plots loss against MB sent on a log
 axis; the summary's "projected step ms" column times each run's collectives on 64
-workers of the preset cluster (`shoal.comms.costmodel`).
+workers of the preset cluster (`shoal.costmodel`).
 
 1-bit LAMB stands for the 1-bit family: ``onebit_adam`` (a runner entry too) diverged on
 this CNN right after its freeze step, at learning rates 1e-3 and 1e-4: elements whose

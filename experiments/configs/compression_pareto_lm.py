@@ -1,4 +1,4 @@
-"""``compression_pareto.py``'s entries on the byte-level LM (`shoal.experiments.lm`: a
+"""``compression_pareto.py``'s entries on the byte-level LM (`shoal.experiments.tasks.lm`: a
 2-block causal transformer of width 64 on the Python standard library's source), 8
 simulated workers, about 8 minutes on 2 CPU cores.
 

@@ -1,4 +1,4 @@
-"""Validation of `shoal.comms.costmodel` against two papers' measured communication times.
+"""Validation of `shoal.costmodel` against two papers' measured communication times.
 
 * 1-bit LAMB (Li et al. 2021), Table 2: the "backward allreduce (ms)" of BERT-large
   pre-training (seqlen 128) with baseline LAMB on an Ethernet cluster (4 x V100 per node,
@@ -7,7 +7,7 @@
   with Herring's parameter servers on p3dn.24xlarge nodes (8 x V100, 100 Gbps EFA), 64-512
   GPUs.
 
-One preset per cluster (`shoal.comms.costmodel.PRESETS`), never tuned per row. Run with
+One preset per cluster (`shoal.costmodel.PRESETS`), never tuned per row. Run with
 ``shoal-run experiments/configs/costmodel_validation.py`` (well under a second); it writes
 ``runs/costmodel_validation/``: ``onebit_lamb_table2.csv``, ``herring_table5.csv`` and
 ``summary.md``. Every CSV has a ``ratio`` column (ours / paper) and a ``claimed`` column:
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from shoal.comms import costmodel as cm
-from shoal.comms.costmodel import Event, cluster, step_comm_time
-from shoal.experiments.analysis import Analysis, markdown_table, write_rows_csv
+from shoal import costmodel as cm
+from shoal.costmodel import Event, cluster, step_comm_time
+from shoal.experiments.runner.analysis import Analysis, markdown_table, write_rows_csv
 
 # BERT-large: the papers' "340 million" parameters, fp16 gradients (1-bit LAMB, section 6:
 # "for FP16 training"; Herring: "680MB gradient update with fp16 communication").
@@ -186,7 +186,7 @@ def analyse(out_dir: Path) -> str:
 
     return f"""# Cost model validation: 1-bit LAMB Table 2 and Herring Table V
 
-`shoal.comms.costmodel` (alpha-beta-gamma, Thakur, Rabenseifner & Gropp 2005) projected onto
+`shoal.costmodel` (alpha-beta-gamma, Thakur, Rabenseifner & Gropp 2005) projected onto
 the clusters of two papers, one preset per cluster, never tuned per row. Ratios are
 ours / paper. **{n_ok} of {len(claimed)} claimed rows are within 2x** (ratios
 {min(ratios):.2f} to {max(ratios):.2f}). Claimed: every 1-bit LAMB row where communication
@@ -291,7 +291,7 @@ number of flows). We do not claim that column (ours/no-EFA: {he[0]["ratio_no_efa
 {he[-1]["ratio_no_efa"]:.2f}).
 
 Model scope: no overlap of compute and communication, non-blocking fabric, one NIC per node,
-rings crossing each NIC once; see `shoal.comms.costmodel`'s docstring.
+rings crossing each NIC once; see `shoal.costmodel`'s docstring.
 """
 
 

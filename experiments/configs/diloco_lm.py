@@ -1,7 +1,7 @@
 """DiLoCo and Streaming DiLoCo against S-SGD with AdamW on the byte-level LM, 8 simulated
 workers, the same tokens for every entry (about 10 minutes on 2 CPU cores).
 
-Run with ``shoal-run experiments/configs/diloco_lm.py``. Task (`shoal.experiments.lm`):
+Run with ``shoal-run experiments/configs/diloco_lm.py``. Task (`shoal.experiments.tasks.lm`):
 next-byte prediction on the running Python's standard library source (nothing is
 downloaded), a 2-block causal transformer of width 64 (about 120k parameters). Entries:
 

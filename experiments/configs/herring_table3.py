@@ -5,7 +5,7 @@ variable whole on one server) versus balanced fusion buffers (BFB) of the paper'
 
 Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for the Cloud"
 (SC 2020), section III, Tables II-III and Fig. 1. Everything is computed from shapes
-(`jax.eval_shape` of `shoal.experiments.bert`, fp16) and the production order of the
+(`jax.eval_shape` of `shoal.experiments.tasks.bert`, fp16) and the production order of the
 MLM + NSP loss's gradients (`shoal.comms.fusion.gradient_order`), with `plan_fusion` and
 `atomic_placement`; nothing is allocated or trained. Run with
 ``shoal-run experiments/configs/herring_table3.py`` (about 4 s on an idle 2-core CPU, half
@@ -32,8 +32,8 @@ from shoal.comms.fusion import (
     auto_buffer_bytes,
     plan_fusion,
 )
-from shoal.experiments import bert
-from shoal.experiments.analysis import Analysis, markdown_table, write_rows_csv
+from shoal.experiments.runner.analysis import Analysis, markdown_table, write_rows_csv
+from shoal.experiments.tasks import bert
 
 NODES = (8, 16, 32, 64)  # worker nodes, with as many servers
 PAPER_BUFFER_KB = 86684
@@ -226,7 +226,7 @@ def analyse(out_dir: Path, config: bert.BertConfig = bert.BERT_LARGE) -> str:
 Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for the Cloud"
 (SC 2020), section III. Computed from shapes with `shoal.comms.fusion.plan_fusion` and
 `atomic_placement`, gradients in the production order `gradient_order` finds in the
-backward pass of the masked-LM + next-sentence loss of `shoal.experiments.bert`
+backward pass of the masked-LM + next-sentence loss of `shoal.experiments.tasks.bert`
 (nothing allocated): `jax.eval_shape` of the parameters took {t_shapes:.1f} s, tracing the
 gradient's jaxpr {t_order:.1f} s.
 

@@ -7,7 +7,7 @@ Run with ``shoal-run experiments/configs/kungfu.py`` (about 2 minutes on 2 CPU c
 it writes ``runs/kungfu/``: the comparison table in ``summary.md``, test accuracy vs
 step (``accuracy_vs_step.png``) and loss vs MB sent per worker.
 
-Task: 16x16 generated glyph images, 10 classes (`shoal.experiments.images`), a small CNN
+Task: 16x16 generated glyph images, 10 classes (`shoal.experiments.tasks.images`), a small CNN
 (two conv stages, one hidden layer of 64 stored as 16 column blocks, so that no leaf
 exceeds 10% of the gradient and PGX 0.1 is possible). 8 simulated workers x 32 examples,
 SGD with momentum 0.9 and learning rate 0.05 for every algorithm. The noise-scale

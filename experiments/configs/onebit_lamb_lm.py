@@ -1,7 +1,7 @@
 """LAMB versus 1-bit LAMB (Li et al. 2021) on a byte-level transformer language model,
 8 simulated workers, about 4 minutes on 2 CPU cores.
 
-Run with ``shoal-run experiments/configs/onebit_lamb_lm.py``. Task (`shoal.experiments.lm`):
+Run with ``shoal-run experiments/configs/onebit_lamb_lm.py``. Task (`shoal.experiments.tasks.lm`):
 next-byte prediction on the running Python's standard library source, read from the
 installed ``*.py`` files (every tenth file held out for validation; nothing is
 downloaded), by a 2-block causal transformer of width 64 with tied byte embeddings

@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from shoal.comms import AxisCollective, ParameterServers, plan_fusion
+from shoal.comms import AxisCollective, ParameterServers, plan_fusion, wire_bytes
 from shoal.comms.wire import all_reduce_bytes
-from shoal.optim import bfb_allreduce
+from shoal.optim import bfb_allreduce, skip_nonfinite
 
 SERVERS = {"check": 2, "orphan": 1}
 LOCAL = 2  # workers per node in the hierarchical case
@@ -51,7 +51,9 @@ def check_close(got, want):
 def run_worker(ps: ParameterServers, mode: str) -> None:
     coll = ps.workers
     w, rank = coll.size, coll._rank
+    # In skip_nonfinite over the workers: its flag never reaches the servers.
     flat = bfb_allreduce(collective=coll, servers=ps, buffer_bytes=40)
+    flat = skip_nonfinite(flat, collective=coll)
     step = jax.jit(lambda g: flat.update(g, flat.init(g)))
     for t in range(2):
         u, s = step(grads(rank, t, w))
@@ -60,7 +62,8 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
         # Each worker sends and receives every buffer once (padding included), plus the
         # non-finite flag's all-reduce among the workers (never sent to the servers).
         flag = all_reduce_bytes(4, w)[0]
-        assert int(s.wire.step.sent) == int(s.wire.step.received) == sum(plan.buffer_bytes) + flag
+        sent, received = wire_bytes(s, "step")
+        assert int(sent) == int(received) == sum(plan.buffer_bytes) + flag
     if mode == "orphan":
         return  # no shutdown: the server must time out
     u, _ = jax.jit(lambda g: flat.update(g, flat.init(g)))(half(rank, w))
@@ -80,13 +83,15 @@ def run_worker(ps: ParameterServers, mode: str) -> None:
         else:
             raise AssertionError(f"no error for {bad}")
     hier = bfb_allreduce(collective=inter, intra=intra, servers=ps, buffer_bytes=40)
+    hier = skip_nonfinite(hier, collective=(intra, inter))
     u, s = jax.jit(lambda g: hier.update(g, hier.init(g)))(grads(rank, 5, w))
     check_close(u, mean(grads, w, 5))
     plan = plan_fusion(grads(rank, 5, w), buffer_bytes=40, num_shards=LOCAL * ps.num_servers)
     expect = sum((LOCAL - 1) * b // LOCAL + b // LOCAL + (LOCAL - 1) * (b // LOCAL)
                  for b in plan.buffer_bytes)  # fmt: skip
     expect += all_reduce_bytes(4, LOCAL)[0] + all_reduce_bytes(4, inter.size)[0]  # the flag
-    assert int(s.wire.step.sent) == int(s.wire.step.received) == expect
+    sent, received = wire_bytes(s, "step")
+    assert int(sent) == int(received) == expect
     ps.shutdown()
     print("worker ok", flush=True)
 

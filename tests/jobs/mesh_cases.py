@@ -33,11 +33,12 @@ sgd = optax.sgd(0.1)
 
 FLAT = {
     "ssgd": lambda: optax.chain(optim.allreduce_gradients(collective=coll), sgd),
-    "ssgd_raise": lambda: optax.chain(
-        optim.allreduce_gradients(collective=coll, nonfinite="raise"), sgd
+    "ssgd_raise": lambda: optim.skip_nonfinite(
+        optax.chain(optim.allreduce_gradients(collective=coll), sgd),
+        collective=coll,
+        nonfinite="raise",
     ),
     "gtc": lambda: optax.chain(optim.gtc(0.05, collective=coll), sgd),
-    "gtc_unguarded": lambda: optax.chain(optim.gtc(0.05, collective=coll, nonfinite=None), sgd),
     "bmuf": lambda: optim.bmuf(sgd, collective=coll, block_size=3, warmup_steps=2),
     "bfb": lambda: optax.chain(optim.bfb_allreduce(collective=coll, buffer_bytes=64), sgd),
     "pgx": lambda: optax.chain(optim.partial_exchange(0.9, collective=coll), sgd),
@@ -49,8 +50,7 @@ FLAT = {
         optim.gradient_noise_scale(collective=coll, local_batch_size=8), sgd
     ),
     "skip_nonfinite": lambda: optim.skip_nonfinite(
-        optax.chain(optim.allreduce_gradients(collective=coll, nonfinite=None), sgd),
-        collective=coll,
+        optax.chain(optim.allreduce_gradients(collective=coll), sgd), collective=coll
     ),
     "diloco": lambda: optim.diloco(sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7)),
     "diloco_fp4": lambda: optim.diloco(
@@ -69,19 +69,20 @@ FLAT = {
     "powersgd": lambda: optax.chain(optim.powersgd(2, collective=coll, min_compression=1.0), sgd),
     "demo": lambda: optax.chain(optim.demo(collective=coll, chunk_size=4, topk=3), sgd),
 }
-# A NaN in one worker's gradient: every branch of the skip runs under shard_map's checks.
-for _name in ("ssgd", "gtc", "bmuf", "onebit_lamb", "skip_nonfinite", "diloco", "powersgd"):
-    FLAT[_name + "_nan"] = FLAT[_name]
+# A NaN in one worker's gradient, in skip_nonfinite: every way it skips (a select, an
+# in-place branch for BMUF and DiLoCo) runs under shard_map's checks.
+for _name in ("ssgd", "gtc", "bmuf", "onebit_lamb", "diloco", "powersgd"):
+    FLAT[_name + "_nan"] = lambda make=FLAT[_name]: optim.skip_nonfinite(make(), collective=coll)
 TIERS = {
     "bmuf_gtc": lambda: optim.bmuf_gtc(sgd, intra=intra, inter=inter, block_size=3, threshold=0.05),
     "bfb_two_tier": lambda: optax.chain(
         optim.bfb_allreduce(collective=inter, intra=intra, buffer_bytes=64), sgd
     ),
     "gtc_skip_two_tier": lambda: optim.skip_nonfinite(
-        optax.chain(optim.gtc(0.05, collective=inter, nonfinite=None), sgd),
-        collective=(intra, inter),
+        optax.chain(optim.gtc(0.05, collective=inter), sgd), collective=(intra, inter)
     ),
 }
+TIERS["bmuf_gtc_nan"] = lambda: optim.skip_nonfinite(TIERS["bmuf_gtc"](), collective=(intra, inter))
 
 
 def data(nan: bool):

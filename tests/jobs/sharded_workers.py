@@ -48,7 +48,8 @@ CASES = {
     "onebit_lamb": lambda c: optim.onebit_lamb(0.01, collective=c, freeze_step=2),
 }
 for _name in ("ssgd", "gtc", "bmuf"):
-    CASES[_name + "_nan"] = CASES[_name]  # a NaN in one shard of one worker at step 2
+    # A NaN in one shard of one worker at step 2: the wrapper skips it on every worker.
+    CASES[_name + "_nan"] = lambda c, make=CASES[_name]: optim.skip_nonfinite(make(c), collective=c)
 CASES["ssgd_mixed"] = CASES["ssgd"]
 CASES["noise_scale_mixed"] = CASES["noise_scale"]  # norms of sharded and replicated leaves
 CASES["gtc_mixed"] = CASES["gtc"]  # refused: a fused buffer of sharded and replicated leaves

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from shoal.experiments import algorithms
-from shoal.experiments.backends import SimBackend
 from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task
-from shoal.experiments.train import train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +116,13 @@ class Study:
             )
         except ValueError as e:
             raise ConfigError(f"{row.algorithm} on {_workers(row.workers)}: {e}") from None
-        algorithms.check_known(run.algorithms, run)
         return run
+
+    def run_entry(self, row: Row) -> tuple[Config, algorithms.Entry]:
+        """`run_config` and its one algorithm resolved (`algorithms.resolve`): what
+        `run_study` trains; `ConfigError` for a run that cannot train."""
+        run = self.run_config(row)
+        return run, algorithms.resolve(row.algorithm, run)
 
 
 def run_study(
@@ -126,15 +131,15 @@ def run_study(
     """Train every run of ``study`` (all configs are checked first) and write ``out``.
     Returns the summary of every run by ``(workers, algorithm)``."""
     rows = study.runs()
-    configs = [study.run_config(r) for r in rows]
+    configs = [study.run_entry(r) for r in rows]
     start = time.perf_counter()
     task = make_task(study.config)
     backends: dict[int, SimBackend] = {}
     summaries: dict[tuple[int, str], dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
-    for i, (row, cfg) in enumerate(zip(rows, configs), 1):
+    for i, (row, (cfg, entry)) in enumerate(zip(rows, configs), 1):
         backend = backends.setdefault(row.workers, SimBackend(row.workers))
-        result = train(cfg, task, backend, row.algorithm, progress=progress)
+        result = train(cfg, task, backend, entry, progress=progress)
         summaries[row.key] = {"workers": row.workers, **result.summary}
         records += [{"workers": row.workers, **rec} for rec in result.records]
         s = result.summary

@@ -22,8 +22,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
+from shoal.experiments.tasks.classifier import ClassifierTask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class HMMFrameTask(ClassifierTask):
     Reads ``num_classes`` (states), ``num_features``, ``class_sep``, ``seq_len``,
     ``hmm_self_loop``, ``hmm_successors``, ``hidden`` (LSTM widths), and ``train_size``,
     ``test_size``, ``batch_size`` counted in sequences. A
-    `shoal.experiments.classifier.ClassifierTask`; ``evaluate`` gives frame accuracy
+    `shoal.experiments.tasks.classifier.ClassifierTask`; ``evaluate`` gives frame accuracy
     (the frame error is one minus it).
     """
 

@@ -12,8 +12,6 @@ communication scale", not "how fast is this model on that cluster's GPUs".
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
 from typing import Any
 
@@ -21,7 +19,7 @@ import jax
 import numpy as np
 
 from shoal.comms import Cluster, record_events, step_comm_time
-from shoal.comms.costmodel import PRESETS
+from shoal.costmodel import PRESETS
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config
 
@@ -39,10 +37,6 @@ def describe(cfg: Config) -> str:
         f"{c.workers} workers, {c.workers_per_node} per node, "
         f"{c.inter_bandwidth * 8 / 1e9:g} Gbps between nodes ({c.name})"
     )
-
-
-def _build(algorithm, cfg, context, changes, comms):
-    return algorithms.build(algorithm, cfg, comms, context, changes)
 
 
 def compute_seconds(task: Any) -> float:
@@ -63,24 +57,28 @@ def compute_seconds(task: Any) -> float:
 
 
 def project_run(
-    cfg: Config, algorithm: str, task: Any, policy_changes: list[tuple[int, dict[str, Any]]]
+    cfg: Config,
+    algorithm: str | algorithms.Entry,
+    task: Any,
+    policy_changes: list[tuple[int, dict[str, Any]]],
 ) -> dict[str, float]:
     """``projected_ms`` (compute + communication per step, mean over the run),
-    ``projected_comm_ms`` and ``compute_ms`` of ``algorithm`` on `target` ``(cfg)``;
-    ``policy_changes`` are ``(step, changes)`` made after those steps."""
+    ``projected_comm_ms`` and ``compute_ms`` of ``algorithm`` (an `Entry`, or an entry of
+    ``cfg.algorithms``) on `target` ``(cfg)``; ``policy_changes`` are ``(step, changes)``
+    made after those steps."""
     cluster = target(cfg)
-    big = dataclasses.replace(cfg, workers=cluster.workers)
-    group_size = algorithms.group_size(algorithm, big)
+    entry = algorithms.resolve(algorithm, cfg)
+    group_size = entry.group_size
     context = algorithms.BuildContext(task=task)
     params = task.init_params()
     bounds = [0, *(s for s, _ in policy_changes), cfg.steps]
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {"workers": cluster.workers}  # the projected cluster's
     comm = []
     for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         if i:
             changes.update(policy_changes[i - 1][1])
 
-        make = functools.partial(_build, algorithm, big, context, dict(changes))
+        make = lambda comms, changes=dict(changes): entry.build(comms, context, changes)
 
         for events in record_events(
             make, params, workers=cluster.workers, steps=stop - start, group_size=group_size

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import optax
 
-from shoal.experiments.batches import EpochBatches
 from shoal.experiments.config import Config
+from shoal.experiments.tasks.batches import EpochBatches
 
 
 class ClassifierTask:

@@ -2,7 +2,7 @@
 classifier on a synthetic Gaussian mixture.
 
 A task holds its data, model and loss, with the interface of
-`shoal.experiments.classifier.ClassifierTask`.
+`shoal.experiments.tasks.classifier.ClassifierTask`.
 
 The data is generated from the config's seed with NumPy, so every worker, rank and
 backend sees the same points and the same batch order; nothing is downloaded.
@@ -16,11 +16,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.experiments.acoustic import HMMFrameTask
-from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
-from shoal.experiments.images import ImageTask
-from shoal.experiments.lm import ByteLMTask
+from shoal.experiments.tasks.acoustic import HMMFrameTask
+from shoal.experiments.tasks.classifier import ClassifierTask
+from shoal.experiments.tasks.images import ImageTask
+from shoal.experiments.tasks.lm import ByteLMTask
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
+from shoal.experiments.tasks.classifier import ClassifierTask
 
 VOCAB = 256  # bytes
 VAL_EVERY, VAL_OFFSET = 10, 5
@@ -113,7 +113,7 @@ class ByteLMTask(ClassifierTask):
 
     Reads ``seq_len`` (bytes per example), ``train_size`` and ``test_size`` (examples),
     ``batch_size`` (examples per worker and step), ``lm_width``, ``lm_layers``,
-    ``lm_heads``. A `shoal.experiments.classifier.ClassifierTask`;
+    ``lm_heads``. A `shoal.experiments.tasks.classifier.ClassifierTask`;
     ``evaluate`` gives the validation loss (nats per byte) and next-byte accuracy.
     """
 

@@ -19,8 +19,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.experiments.classifier import ClassifierTask
 from shoal.experiments.config import Config
+from shoal.experiments.tasks.classifier import ClassifierTask
 
 IMAGE_SIZE = 16
 

@@ -9,6 +9,9 @@ All backends expose the same small interface to the training loop:
 * ``spmd(fn, group_size=None)``: compile a per-worker function for all of this
   process's workers; with a ``group_size``, ``fn`` may use ``two_tier(group_size)``;
 * ``replicate`` / ``local``: per-worker layout of parameters and of global batches;
+* ``stacked`` / ``unstacked``: per-worker values to host arrays with a leading axis over
+  this process's workers, and back (checkpoints);
+* ``servers``: the dedicated `shoal.comms.ParameterServers` of an MPI run, else None;
 * ``gather`` / ``mean_params``: host-side metrics for the root process (rank 0);
 * ``share``: a host value of the root on every process (e.g. a policy's decision);
 * ``device_loss`` / ``by_worker`` / ``whole_params``: what changes when a worker spans
@@ -25,7 +28,7 @@ K > 1 the rows are devices, K per worker (row ``w * K + k`` is device ``k`` of w
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +44,41 @@ AXIS = "workers"
 FSDP = "fsdp"  # the mesh axis over one worker's devices (devices_per_worker > 1)
 
 
+class Backend(Protocol):
+    """The interface the training loop uses (see the module docstring); `SimBackend`,
+    `MPIBackend` and `JaxBackend` implement it."""
+
+    name: str
+    size: int
+    is_root: bool
+    collective: Any
+    servers: ParameterServers | None
+    devices_per_worker: int
+
+    def two_tier(self, group_size: int) -> tuple[Any, Any]: ...
+    def spmd(self, fn, group_size: int | None = None): ...
+    def replicate(self, tree: Any) -> Any: ...
+    def local(self, per_worker: np.ndarray, batch: bool = True) -> np.ndarray: ...
+    def stacked(self, tree: Any) -> Any: ...
+    def unstacked(self, tree: Any) -> Any: ...
+    def gather(self, tree: Any) -> Any: ...
+    def share(self, obj: Any) -> Any: ...
+    def gather_all(self, obj: Any) -> list[Any]: ...
+    def mean_params(self, params: Any) -> Any: ...
+    def device_loss(self, loss_fn): ...
+    def by_worker(self, rows: tuple, ops: tuple[str, ...]) -> tuple: ...
+    def whole_params(self, params: Any) -> Any: ...
+
+
 class _WholeWorkers:
     """The hooks for workers that span devices, for backends whose workers never do: a
     worker's loss, metrics and parameters are its own, unchanged."""
 
     devices_per_worker = 1
+
+    def unstacked(self, tree: Any) -> Any:
+        """`stacked` host values back in the layout ``spmd`` functions take: the same."""
+        return tree
 
     def device_loss(self, loss_fn):
         """The loss one device of a worker differentiates: here the worker's own."""
@@ -72,6 +105,7 @@ class SimBackend(_WholeWorkers):
 
     name = "sim"
     is_root = True
+    servers = None
 
     def __init__(self, size: int):
         self.size = size
@@ -205,6 +239,10 @@ class MPIBackend(_HostComm, _WholeWorkers):
 
     def stacked(self, tree: Any) -> Any:
         return jax.tree.map(lambda a: np.asarray(a)[None], tree)
+
+    def unstacked(self, tree: Any) -> Any:
+        # One worker per process: its values have no worker axis.
+        return jax.tree.map(lambda a: a[0], tree)
 
     def gather(self, tree: Any) -> Any:
         parts = self.comm.gather(jax.device_get(tree), root=0)
@@ -364,6 +402,10 @@ class JaxBackend(_HostComm):
         """This process's per-worker (per-device) values, as NumPy, with a leading axis
         over its rows."""
         return jax.tree.map(self._host_rows, tree)
+
+    def unstacked(self, tree: Any) -> Any:
+        """`stacked` rows as ``spmd`` functions take them: the same host rows."""
+        return tree
 
     def _host_rows(self, a: Any, home: bool = False) -> np.ndarray:
         if not isinstance(a, jax.Array):

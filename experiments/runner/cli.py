@@ -28,15 +28,21 @@ import jax
 
 from shoal.experiments import algorithms
 from shoal.experiments import config as config_module
-from shoal.experiments.analysis import Analysis, run_analysis
-from shoal.experiments.backends import make_backend
-from shoal.experiments.checkpoint import Checkpointer, CheckpointError
-from shoal.experiments.config import Config, ConfigError, apply_overrides, load_file
-from shoal.experiments.malloc import reexec_with_tunables
-from shoal.experiments.report import PLOTS, summary_table, write_run
-from shoal.experiments.study import Study, run_study
+from shoal.experiments.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    load_file,
+    parse_assignment,
+)
+from shoal.experiments.reports import PLOTS, summary_table, write_run
+from shoal.experiments.runner.analysis import Analysis, run_analysis
+from shoal.experiments.runner.backends import make_backend
+from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError
+from shoal.experiments.runner.malloc import reexec_with_tunables
+from shoal.experiments.runner.study import Study, run_study
+from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
-from shoal.experiments.train import check_grad_chunk, train
 from shoal.optim.nonfinite import NonFiniteGradientError
 
 CONFIGS = Path(config_module.__file__).parent / "configs"
@@ -186,13 +192,14 @@ def output_problem(out: Path, resume: bool, overwrite: bool, can_resume: bool = 
 def _setup(args, backend, loaded):
     if not isinstance(loaded, Config):
         raise ConfigError(
-            f"{args.config}: get_config() must return a shoal.experiments.config.Config, "
-            "a shoal.experiments.study.Study or a shoal.experiments.analysis.Analysis, "
-            f"got {type(loaded).__name__}"
+            f"{args.config}: get_config() must return a shoal.experiments.config.Config, a "
+            "shoal.experiments.runner.study.Study or a shoal.experiments.runner.analysis.Analysis,"
+            f" got {type(loaded).__name__}"
         )
-    cfg = apply_overrides(loaded, args.overrides)
+    sets = [parse_assignment(o) for o in args.overrides]
+    cfg = apply_overrides(loaded, sets)
     explicit = args.workers
-    if explicit is None and any(o.partition("=")[0].strip() == "workers" for o in args.overrides):
+    if explicit is None and "workers" in dict(sets):
         explicit = cfg.workers
     if explicit is not None and explicit < 1:
         raise ConfigError(f"--workers must be >= 1, got {explicit}")
@@ -203,11 +210,11 @@ def _setup(args, backend, loaded):
         cfg = dataclasses.replace(cfg, workers=workers)
     except ValueError as e:
         raise ConfigError(f"with {workers} workers: {e}") from None
-    algorithms.check_known(cfg.algorithms, cfg)
+    entries = algorithms.resolve_all(cfg)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
     if k > 1:
         check_devices_per_worker(cfg, k)
-    return cfg
+    return cfg, entries
 
 
 def check_devices_per_worker(cfg: Config, k: int) -> None:
@@ -230,14 +237,15 @@ def _setup_study(args, study: Study) -> Study:
             "a study runs its own worker counts on simulated workers: drop --workers and "
             f"--backend {args.backend}"
         )
-    fixed = [o for o in args.overrides if o.partition("=")[0].strip() in _STUDY_FIELDS]
+    sets = [parse_assignment(o) for o in args.overrides]
+    fixed = [f"{k}={v}" for k, v in sets if k in _STUDY_FIELDS]
     if fixed:
         raise ConfigError(
             f"a study sets {', '.join(_STUDY_FIELDS)} per run: cannot --set {fixed[0]}"
         )
-    study = dataclasses.replace(study, config=apply_overrides(study.config, args.overrides))
+    study = dataclasses.replace(study, config=apply_overrides(study.config, sets))
     for row in study.runs():  # every run's config, before any training
-        run_cfg = study.run_config(row)
+        run_cfg, _ = study.run_entry(row)
         check_grad_chunk(run_cfg.grad_chunk, "sim", run_cfg.workers)
     return study
 
@@ -301,7 +309,7 @@ _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it alread
 
 def _malloc_default(argv: list[str]) -> str:
     """``"keep"`` for one worker per process (``--backend mpi|jax``), else ``"system"``:
-    the `SHOAL_MALLOC` default (see `shoal.experiments.malloc`)."""
+    the `SHOAL_MALLOC` default (see `shoal.experiments.runner.malloc`)."""
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--backend", default="sim")
     backend = peek.parse_known_args(argv)[0].backend
@@ -398,7 +406,7 @@ def _main(args, argv, backend) -> int:
                     "--workers and --backend"
                 )
         else:
-            cfg = _setup(args, backend, loaded)
+            cfg, entries = _setup(args, backend, loaded)
     except ConfigError as e:
         if is_root:  # every rank finds the same error; say it once
             print(f"shoal-run: error: {e}", file=sys.stderr)
@@ -423,8 +431,8 @@ def _main(args, argv, backend) -> int:
     problem = output_problem(out, args.resume, args.overwrite) if is_root else None
     problem = backend.share(problem)
     if problem is None and args.resume:
-        found = any(Checkpointer(out / "checkpoints", n, cfg, backend).steps()
-                    for n in cfg.algorithms)  # fmt: skip
+        found = any(Checkpointer(out / "checkpoints", e.label, cfg, backend).steps()
+                    for e in entries)  # fmt: skip
         if not any(backend.gather_all(found)):
             problem = (
                 f"--resume found no checkpoint of {', '.join(cfg.algorithms)} in "
@@ -436,17 +444,18 @@ def _main(args, argv, backend) -> int:
             print(f"shoal-run: error: {problem}", file=sys.stderr)
         return 2
     if args.overwrite:  # the replaced run's checkpoints must not be resumed later
-        for name in cfg.algorithms:
-            Checkpointer(out / "checkpoints", name, cfg, backend).remove()
+        for e in entries:
+            Checkpointer(out / "checkpoints", e.label, cfg, backend).remove()
     # Checkpoints only when asked for: periodically, or to stop and resume.
     checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
     try:
         task = make_task(cfg)
         results = []
         budget = args.stop_after
-        for name in cfg.algorithms:
+        for entry in entries:
+            name = entry.label
             ckpt = Checkpointer(out / "checkpoints", name, cfg, backend) if checkpointing else None
-            result = train(cfg, task, backend, name, progress=not args.no_progress,
+            result = train(cfg, task, backend, entry, progress=not args.no_progress,
                            checkpoints=ckpt, resume=args.resume, max_steps=budget)  # fmt: skip
             results.append(result)
             if budget is not None:

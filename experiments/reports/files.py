@@ -1,0 +1,128 @@
+"""Run outputs written to the output folder: ``metrics.jsonl``, ``metrics.csv``,
+``timing.jsonl`` (wall-clock seconds per step, kept apart from the deterministic
+metrics), TensorBoard events, and `write_run`, which writes them all with the plots and
+Markdown."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shoal.experiments.reports.markdown import (
+    COLUMNS,
+    onebit_section,
+    policy_section,
+    projection_section,
+    write_report,
+    write_summary,
+)
+from shoal.experiments.reports.plots import (
+    PLOTS,
+    SAMPLES_PLOT,
+    plot_accuracy,
+    plot_loss,
+    plot_test_vs_samples,
+)
+
+
+def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    # Eval columns stay empty on steps without an evaluation.
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        w.writeheader()
+        w.writerows(records)
+
+
+# Coincident curves (e.g. ssgd and bfb, which reduce the same gradient) would hide one
+# another: the later ones are drawn on top with these (linestyle, marker) pairs and say
+# which curve they follow in the legend.
+
+
+TENSORBOARD = "tensorboard"
+# metrics.jsonl key -> TensorBoard tag (grouped by the part before "/").
+TENSORBOARD_TAGS = {
+    "loss": "loss/train",
+    "test_loss": "loss/test",
+    "test_accuracy": "accuracy/test",
+    "mb_sent": "wire/mb_sent",
+    "mb_received": "wire/mb_received",
+    "density": "wire/density",
+    "noise_scale": "noise_scale",
+    "skipped": "skipped",
+}
+
+
+def write_tensorboard(folder: Path, records: Sequence[dict[str, Any]]) -> None:
+    """TensorBoard event files from the run's records: one run (subfolder) per algorithm,
+    so TensorBoard overlays the algorithms; the scalars of `TENSORBOARD_TAGS` at each
+    record's step and the policy changes as text. Needs ``tensorboardX`` (the
+    ``tensorboard`` extra)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "log=tensorboard needs the tensorboardX package: pip install 'shoal[tensorboard]'"
+        ) from None
+    for name in dict.fromkeys(r["algorithm"] for r in records):
+        with SummaryWriter(str(folder / name)) as w:
+            for r in records:
+                if r["algorithm"] != name:
+                    continue
+                for key, tag in TENSORBOARD_TAGS.items():
+                    if r.get(key) is not None:
+                        w.add_scalar(tag, r[key], r["step"])
+                if "policy" in r:
+                    w.add_text("policy", r["policy"], r["step"])
+
+
+def write_run(
+    out: Path,
+    cfg: Any,
+    records: Sequence[dict[str, Any]],
+    summaries: Sequence[dict[str, Any]],
+    *,
+    backend: str,
+    command: str,
+    task: Any = None,
+) -> list[Path]:
+    """Write every output file of a run into ``out``; returns their paths. With a
+    ``lamb`` and ``onebit_lamb`` entry, the summary gains `onebit_section` and its plot;
+    a ``task`` with ``corpus_info()`` adds a data section."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / n for n in ("metrics.jsonl", "metrics.csv", *PLOTS, "summary.md")]
+    paths.append(out / "report.md")
+    # Wall-clock times go to their own file, so that metrics.jsonl of two runs of one
+    # config and seed are byte for byte the same (RELIABILITY.md, determinism).
+    timing = [{k: r[k] for k in ("algorithm", "step", "time_s") if k in r} for r in records]
+    records = [{k: v for k, v in r.items() if k != "time_s"} for r in records]
+    write_jsonl(paths[0], records)
+    write_csv(paths[1], records)
+    plot_loss(paths[2], records, "step", "step")
+    plot_loss(paths[3], records, "mb_sent", "MB sent per worker (cumulative)")
+    plot_accuracy(paths[4], records)
+    onebit = onebit_section(cfg, records, summaries)
+    extra = policy_section(records) + projection_section(cfg, summaries) + onebit
+    if onebit:  # the section shows this plot
+        paths.append(out / SAMPLES_PLOT)
+        plot_test_vs_samples(paths[-1], cfg, records)
+    info = getattr(task, "corpus_info", None)
+    if info is not None:
+        extra += "\n## Data\n\n" + "\n".join(f"- {k}: {v}" for k, v in info().items()) + "\n"
+    write_summary(paths[5], cfg, summaries, backend=backend, command=command, extra=extra)
+    write_report(paths[6], cfg, summaries, command=command,
+                 extra=projection_section(cfg, summaries))  # fmt: skip
+    paths.append(out / "timing.jsonl")
+    write_jsonl(paths[-1], timing)
+    if getattr(cfg, "log", "none") == "tensorboard":
+        paths.append(out / TENSORBOARD)
+        write_tensorboard(paths[-1], records)
+    return paths

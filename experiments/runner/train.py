@@ -1,0 +1,401 @@
+"""The training loop: one algorithm, all workers, per-step metrics on the root."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from shoal.comms import wire_bytes
+from shoal.experiments import algorithms
+from shoal.experiments.algorithms import Entry
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.runner import checkpoint, policies, projection
+from shoal.experiments.runner.backends import Backend
+from shoal.experiments.runner.checkpoint import Checkpointer
+from shoal.optim.nonfinite import NonFiniteGradientError, take_raised
+from shoal.optim.readouts import evaluation_params, step_figures
+
+MB = 1e6  # bytes; reports say "MB" in decimal units
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one algorithm's run produced.
+
+    ``records`` (one dict per step) and ``summary`` exist on the root process only.
+    ``params`` are the final parameters of this process's workers, whole leaves stacked on
+    a leading axis (all workers for ``sim``, this rank's for ``mpi``, those whose first
+    device is here for ``jax``). ``finished`` is False
+    when the run stopped early (``max_steps``) after step ``step``; it continues with
+    ``resume``. ``trained`` counts the steps this call ran.
+    """
+
+    algorithm: str
+    records: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+    params: Any
+    finished: bool = True
+    step: int = 0
+    trained: int = 0
+
+
+def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False, given: bool = False):
+    """One worker's step: local gradient, the algorithm's update (which communicates),
+    and the bytes the update put on and took off the wire. With ``inject`` the step takes
+    one more argument, a float32 added to every gradient element (0, or NaN to inject a
+    fault). With ``given`` the step takes ``(loss, grads)``, already computed, in place of
+    ``(x, y)`` (`compile_step` with ``grad_chunk``)."""
+
+    def step(params, opt_state, x, y, *fault):
+        loss, grads = (x, y) if given else jax.value_and_grad(loss_fn)(params, x, y)
+        if inject:
+            grads = jax.tree.map(lambda g: g + fault[0].astype(g.dtype), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # This update's bytes; the host sums them, since a policy change may re-init the
+        # exchange (and with it the state's totals since init) mid-run.
+        wire = wire_bytes(opt_state, "step")
+        # NaN (0 skipped): the algorithm has no such figure. A sparsifier's density says how
+        # full its fixed-capacity buffer was.
+        figures = step_figures(opt_state)
+        density = figures.get("density", jnp.float32(jnp.nan))
+        noise = figures.get("noise_scale", jnp.float32(jnp.nan))
+        skipped = figures.get("skipped", jnp.int32(0))
+        return params, opt_state, (loss, wire.sent, wire.received, density, noise, skipped)
+
+    return step
+
+
+# How the `make_step` metrics of a worker's devices make the worker's (`backend.by_worker`):
+# the loss, noise scale and skip count are the worker's on each of its devices; each device
+# sends and receives its own pieces; the density is per piece, and the pieces equal-sized.
+METRIC_OPS = ("first", "sum", "sum", "mean", "first", "first")
+
+
+def check_grad_chunk(grad_chunk: int, backend: str, workers: int) -> None:
+    """Raise `ConfigError` unless ``grad_chunk`` (0: off) can run: simulated workers only,
+    and a divisor of their number."""
+    if not grad_chunk:
+        return
+    if backend != "sim":
+        raise ConfigError(
+            f"grad_chunk = {grad_chunk} applies to simulated workers only (--backend sim), "
+            f"not --backend {backend}: drop grad_chunk (or set grad_chunk=0)"
+        )
+    if workers % grad_chunk:
+        raise ConfigError(f"grad_chunk = {grad_chunk} must divide the number of workers {workers}")
+
+
+def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_chunk=0):
+    """`make_step` for all of ``backend``'s workers (``backend.spmd``). With ``grad_chunk = K
+    > 0`` (`SimBackend` only) the workers' gradients are computed K workers at a time
+    (``jax.lax.map`` over the worker axis, K under ``vmap`` per iteration), so only K
+    workers' activations are alive at once; the update, which communicates, still runs
+    under ``vmap`` over all workers. Same results as ``grad_chunk = 0`` up to rounding."""
+    if not grad_chunk:
+        return backend.spmd(make_step(loss_fn, tx, inject=inject), group_size=group_size)
+    check_grad_chunk(grad_chunk, backend.name, backend.size)
+    update = backend.spmd(make_step(loss_fn, tx, inject=inject, given=True), group_size=group_size)
+    grad = jax.value_and_grad(loss_fn)
+
+    def step(params, opt_state, x, y, *fault):
+        loss, grads = jax.lax.map(lambda a: grad(*a), (params, x, y), batch_size=grad_chunk)
+        return update(params, opt_state, loss, grads, *fault)
+
+    return jax.jit(step)
+
+
+def carry_state(old: Any, new: Any) -> Any:
+    """``new`` (a freshly initialised optimizer state) with every part that has the same
+    structure, shapes and dtypes as in ``old`` taken from ``old``: after a policy changes
+    the exchange of a ``chain(exchange, local optimizer)``, the local optimizer's momentum
+    carries over and the exchange starts fresh."""
+
+    def same(a, b):
+        la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+        return jax.tree.structure(a) == jax.tree.structure(b) and all(
+            np.shape(x) == np.shape(y) and x.dtype == y.dtype for x, y in zip(la, lb)
+        )
+
+    if same(old, new):
+        return old
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(old) == len(new):
+        parts = [carry_state(o, n) for o, n in zip(old, new)]
+        return type(new)(*parts) if hasattr(new, "_fields") else tuple(parts)
+    return new
+
+
+def _per_worker(values: np.ndarray) -> int | float:
+    # Exact int when the workers agree (symmetric collectives), else the mean.
+    return int(values[0]) if np.all(values == values[0]) else float(values.mean())
+
+
+class _Run:
+    """One algorithm's run in progress: its transformation, the workers' state, the host
+    totals and records, and how each is resumed, changed by a policy, recorded and saved.
+    `train` drives it step by step."""
+
+    def __init__(self, cfg: Config, task, backend: Backend, entry: Entry):
+        self.cfg, self.task, self.backend, self.entry = cfg, task, backend, entry
+        group_size = entry.group_size
+        if group_size is None:
+            self.comms = backend.collective
+            from_root = lambda p: self.comms.broadcast(p, 0)
+        else:
+            self.comms = intra, inter = backend.two_tier(group_size)
+            # Worker 0 is member 0 of group 0: to every group's member 0, then to its group.
+            from_root = lambda p: intra.broadcast(inter.broadcast(p, 0), 0)
+        self.spmd = functools.partial(backend.spmd, group_size=group_size)
+        self.context = algorithms.BuildContext(task=task, servers=backend.servers)
+        self.policy = policies.POLICIES[entry.policy] if entry.policy else None
+        self.changes: dict[str, Any] = {}
+        self.policy_changes: list[tuple[int, dict[str, Any]]] = []
+        self.start = time.perf_counter()
+        self.tx = entry.build(self.comms, self.context)
+        self.params = self.spmd(from_root)(backend.replicate(task.init_params()))
+        self.opt_state = self.spmd(self.tx.init)(self.params)
+        self.sent_total = np.zeros(backend.size, np.int64)
+        self.received_total = np.zeros(backend.size, np.int64)
+        self.records: list[dict[str, Any]] = []
+        self.first = 1  # the next step to train
+        self.summary: dict[str, Any] | None = None
+        self.finished = False
+        self.injection = cfg.injection()
+        # With cfg.grad_chunk the gradients run a chunk of workers at a time
+        # (`compile_step`). A worker of several devices: each device differentiates
+        # `backend.device_loss`.
+        self.compile = functools.partial(
+            compile_step,
+            backend,
+            backend.device_loss(task.loss),
+            inject=self.injection is not None,
+            group_size=group_size,
+            grad_chunk=cfg.grad_chunk,
+        )
+        self.step_fn = None  # compiled on the first step (a finished resume needs none)
+
+    def resume(self, saved: dict[str, Any]) -> None:
+        """Continue from a loaded checkpoint: the policy's changes, then the state."""
+        self.policy_changes = [(s, d) for s, d in json.loads(saved["policy_changes"])]
+        for _, decision in self.policy_changes:
+            self.changes.update(decision)
+        if self.changes:
+            self.tx = self.entry.build(self.comms, self.context, self.changes)
+            self.opt_state = self.spmd(self.tx.init)(self.params)
+        backend = self.backend
+        state = checkpoint.unpack(
+            saved, backend.stacked(self.params), backend.stacked(self.opt_state)
+        )
+        self.params, self.opt_state = backend.unstacked((state["params"], state["opt_state"]))
+        self.sent_total, self.received_total = state["sent_total"], state["received_total"]
+        self.records = state["records"]
+        self.start -= state["elapsed"]
+        self.first = state["step"] + 1
+        self.finished = bool(state["finished"])
+        self.summary = state["summary"] if backend.is_root else None
+
+    def batch(self, step: int) -> list[Any]:
+        """This process's rows of step ``step``'s batch (and of the injected fault)."""
+        x, y = self.task.batch(step - 1, self.backend.size)
+        args = [self.backend.local(x), self.backend.local(y)]
+        if self.injection is not None:
+            fault = np.zeros(self.backend.size, np.float32)
+            if step == self.injection[0]:
+                fault[self.injection[1]] = np.nan
+            args.append(self.backend.local(fault, batch=False))
+        return args
+
+    def run_step(self, step: int) -> Any:
+        """Train step ``step``; returns its metrics gathered on the root (else None)."""
+        if self.step_fn is None:
+            self.step_fn = self.compile(self.tx)
+        try:
+            self.params, self.opt_state, metrics = self.step_fn(
+                self.params, self.opt_state, *self.batch(step)
+            )
+            return self.backend.gather(self.backend.stacked(metrics))
+        except jax.errors.JaxRuntimeError:
+            # nonfinite="raise": every rank raises here, at the same step.
+            raised = take_raised()
+            if raised is None:
+                raise
+            raise NonFiniteGradientError(
+                f"step {step}: {str(raised).partition(';')[0]} "
+                f"(nonfinite='raise'; 'skip' would have skipped the step on every worker)"
+            ) from None
+
+    def consult_policy(self, step: int) -> dict[str, Any] | None:
+        """The policy's decision after ``step`` (None: none asked or no change); a change
+        rebuilds the transformation and keeps what the new state can use."""
+        cfg = self.cfg
+        asked = step % cfg.policy_every == 0 and cfg.policy_after <= step < cfg.steps
+        if self.policy is None or not asked:
+            return None
+        root = self.backend.is_root
+        decision = (
+            self.policy.decide(self.records, self.entry.config(self.changes)) if root else None
+        )
+        decision = self.backend.share(decision)
+        if decision:
+            self.changes.update(decision)
+            self.policy_changes.append((step, dict(decision)))
+            self.tx = self.entry.build(self.comms, self.context, self.changes)
+            self.opt_state = carry_state(self.opt_state, self.spmd(self.tx.init)(self.params))
+            self.step_fn = self.compile(self.tx)
+        return decision
+
+    def record(self, step: int, gathered: Any, decision: Any, avg: Any) -> dict[str, Any]:
+        """The root's record of ``step`` from the gathered metrics; adds to the totals."""
+        backend = self.backend
+        loss, sent, received, density, noise, skipped = gathered
+        sent, received = np.asarray(sent), np.asarray(received)  # exact int64
+        loss, sent, received, density, noise, skipped = backend.by_worker(
+            (loss, sent, received, density, noise, skipped), METRIC_OPS
+        )
+        self.sent_total += sent
+        self.received_total += received
+        rec = {
+            "algorithm": self.entry.label,
+            "step": step,
+            "loss": float(np.mean(loss, dtype=np.float64)),
+            "bytes_sent": _per_worker(sent),
+            "bytes_received": _per_worker(received),
+            "mb_sent": float(self.sent_total.mean() / MB),
+            "mb_received": float(self.received_total.mean() / MB),
+        }
+        if not np.isnan(density).any():
+            rec["density"] = float(np.mean(density, dtype=np.float64))
+        if not np.isnan(noise).all():
+            rec["noise_scale"] = float(np.mean(noise, dtype=np.float64))
+        if skipped.max() > 0:
+            rec["skipped"] = int(skipped.max())  # steps skipped so far
+        if decision:
+            rec["policy"] = policies.describe(decision)
+        if avg is not None:
+            rec["test_loss"], rec["test_accuracy"] = self.task.evaluate(avg)
+        rec["time_s"] = time.perf_counter() - self.start
+        self.records.append(rec)
+        return rec
+
+    def summarize(self) -> dict[str, Any]:
+        """The root's summary of the finished run (with its projection, if asked for)."""
+        records, cfg = self.records, self.cfg
+        last = records[-1]
+        summary = {
+            "algorithm": self.entry.label,
+            "steps": cfg.steps,
+            "loss": last["loss"],
+            "test_loss": last["test_loss"],
+            "test_accuracy": last["test_accuracy"],
+            "test_error": 1.0 - last["test_accuracy"],
+            "mb_sent": last["mb_sent"],
+            "mb_received": last["mb_received"],
+            # the most any one step sent (per worker): what a link must carry at once
+            "peak_kb_sent": max(float(np.max(r["bytes_sent"])) for r in records) / 1e3,
+            "density": float(np.mean([r["density"] for r in records]))
+            if "density" in last
+            else None,
+            "skipped": last.get("skipped"),  # None: no step skipped
+            "wall_s": time.perf_counter() - self.start,
+        }
+        if cfg.project_workers:
+            summary.update(projection.project_run(cfg, self.entry, self.task, self.policy_changes))
+        return summary
+
+    def save(self, checkpoints: Checkpointer, step: int) -> None:
+        backend = self.backend
+        state = checkpoint.pack(
+            step=step,
+            params=backend.stacked(self.params),
+            opt_state=backend.stacked(self.opt_state),
+            sent_total=self.sent_total,
+            received_total=self.received_total,
+            records=self.records,
+            policy_changes=self.policy_changes,
+            elapsed=time.perf_counter() - self.start,
+            seed=self.cfg.seed,
+            finished=self.finished,
+            summary=self.summary,
+        )
+        checkpoints.save(step, state)
+
+    def result(self, step: int, trained: int) -> RunResult:
+        whole = self.backend.whole_params(self.params)
+        return RunResult(self.entry.label, self.records, self.summary, whole,
+                         finished=self.finished, step=step, trained=trained)  # fmt: skip
+
+
+def train(
+    cfg: Config,
+    task,
+    backend: Backend,
+    algorithm: str | Entry,
+    *,
+    progress: bool = True,
+    checkpoints: Checkpointer | None = None,
+    resume: bool = False,
+    max_steps: int | None = None,
+) -> RunResult:
+    """Train ``algorithm`` (an `Entry`, or an entry of ``cfg.algorithms`` to resolve) for
+    ``cfg.steps`` steps on ``backend``'s workers.
+
+    Every worker starts from rank 0's initial parameters (broadcast). The recorded
+    loss is the mean over workers of their local batch losses; test metrics are those
+    of the worker average of `shoal.optim.readouts.evaluation_params` (for BMUF the
+    global model, the same on every worker). Wire bytes are summed on the host in int64.
+
+    A two-tier algorithm (`Entry.group_size` not None) gets ``(intra, inter)``
+    from ``backend.two_tier`` and runs under ``backend.spmd(..., group_size=...)``.
+
+    With ``checkpoints``, the run saves every ``cfg.checkpoint_every`` steps, when it
+    stops and at the end; with ``resume`` it continues from the newest good checkpoint
+    (a finished run is returned as saved). ``max_steps`` stops after that many steps of
+    this call (``finished`` is then False).
+    """
+    check_grad_chunk(cfg.grad_chunk, backend.name, backend.size)
+    run = _Run(cfg, task, backend, algorithms.resolve(algorithm, cfg))
+    saved = checkpoints.load() if checkpoints is not None and resume else None
+    if saved is not None:
+        run.resume(saved)
+        if run.finished:
+            return run.result(cfg.steps, 0)
+        checkpoints.remove(newer_than=run.first - 1)  # stale ones, past a corrupt newest
+    elif checkpoints is not None:
+        checkpoints.remove()  # a fresh run: no old run's checkpoint may mix in
+
+    first = run.first
+    stop = cfg.steps if max_steps is None else min(cfg.steps, first - 1 + max_steps)
+    bar = tqdm(total=cfg.steps, initial=first - 1, desc=run.entry.label,
+               disable=not (progress and backend.is_root))  # fmt: skip
+    for step in range(first, stop + 1):
+        gathered = run.run_step(step)
+        evaluate = step % cfg.eval_every == 0 or step == cfg.steps
+        # Every rank takes part in the average; only the root evaluates it.
+        model = evaluation_params(run.params, run.opt_state) if evaluate else None
+        avg = backend.mean_params(model) if evaluate else None
+        decision = run.consult_policy(step)
+        if backend.is_root:
+            rec = run.record(step, gathered, decision, avg)
+            bar.update(1)
+            if evaluate or step % 10 == 0:
+                bar.set_postfix({"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"})
+        periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if checkpoints is not None and step < cfg.steps and (periodic or step == stop):
+            run.save(checkpoints, step)
+    bar.close()
+    if stop < cfg.steps:
+        return run.result(stop, stop - first + 1)
+    run.finished = True
+    run.summary = run.summarize() if backend.is_root else None
+    if checkpoints is not None:
+        run.save(checkpoints, cfg.steps)
+    return run.result(cfg.steps, cfg.steps - first + 1)
