@@ -30,7 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.comms.vma import axes_of
+from shoal.vma import axes_of
 
 
 def _worker_axis_names(collectives: Any) -> set[str]:

@@ -98,7 +98,7 @@ class Cluster:
       name: a label for reports.
 
     Example:
-      >>> from shoal.comms import Cluster, Event, step_comm_time
+      >>> from shoal.costmodel import Cluster, Event, step_comm_time
       >>> cluster = Cluster(nodes=2, workers_per_node=4, intra_bandwidth=100e9,
       ...                   intra_latency=0.0, inter_bandwidth=10e9, inter_latency=0.0)
       >>> cluster.workers

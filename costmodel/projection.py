@@ -47,7 +47,7 @@ class Event:
         buffer for all_to_all, the sent array for ppermute and broadcast.
 
     Example:
-      >>> from shoal.comms import Event
+      >>> from shoal.costmodel import Event
       >>> Event("all_reduce", "world", nbytes=4000)
       Event(kind='all_reduce', group='world', nbytes=4000)
     """
@@ -79,7 +79,7 @@ class Projection:
       step_s: seconds of the whole step.
 
     Example:
-      >>> from shoal.comms import Projection
+      >>> from shoal.costmodel import Projection
       >>> Projection(comm_s=0.5, step_s=2.0).comm_fraction
       0.25
     """
@@ -219,7 +219,7 @@ def step_comm_time(
       seconds, a float.
 
     Example:
-      >>> from shoal.comms import Cluster, Event, step_comm_time
+      >>> from shoal.costmodel import Cluster, Event, step_comm_time
       >>> cluster = Cluster(nodes=2, workers_per_node=4, intra_bandwidth=100e9,
       ...                   intra_latency=0.0, inter_bandwidth=10e9, inter_latency=0.0)
       >>> step = [Event("all_reduce", "world", 8 * 10**9)]  # spans nodes: 10 GB/s
@@ -269,7 +269,7 @@ def project(
       a `Projection` ``(comm_s, step_s)``.
 
     Example:
-      >>> from shoal.comms import Cluster, Event, project
+      >>> from shoal.costmodel import Cluster, Event, project
       >>> cluster = Cluster(nodes=2, workers_per_node=4, intra_bandwidth=100e9,
       ...                   intra_latency=0.0, inter_bandwidth=10e9, inter_latency=0.0)
       >>> proj = project([Event("all_reduce", "world", 8 * 10**9)], cluster, compute_s=0.6)

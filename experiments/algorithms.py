@@ -226,19 +226,12 @@ def resolve(entry: str | Entry, cfg: Config) -> Entry:
         # The transformation checks its own hyper-parameters when it is made: make it
         # once, on stand-in workers, so that a bad value stops the run before training.
         world = RecordingCollective(sub.workers)
-        stand_in = world if resolved.group_size is None else _split(world, resolved.group_size)
-        resolved.build(stand_in)
+        gs = resolved.group_size
+        resolved.build(world if gs is None else world.split(gs))
     except (ConfigError, ValueError, TypeError) as err:
         own = f" (config fields of {name}: {', '.join(sorted(algo.fields))})" if algo.fields else ""
         raise ConfigError(f"algorithm {entry!r}: {err}{own}") from None
     return resolved
-
-
-def _split(world: RecordingCollective, group_size: int) -> tuple[Any, Any]:
-    try:
-        return world.split(group_size)
-    except ValueError as err:
-        raise ConfigError(f"group_size = {group_size}: {err}") from None
 
 
 def is_reference(label: str) -> bool:

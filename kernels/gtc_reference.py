@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.comms import vma
+from shoal import vma
 
 __all__ = ["gtc_pack_reference", "gtc_unpack_reference"]
 

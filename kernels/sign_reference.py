@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.comms import vma
+from shoal import vma
+from shoal.kernels.dispatch import batched
 
 __all__ = ["rms", "sign_pack_reference", "sign_unpack_reference"]
 
@@ -22,14 +23,18 @@ __all__ = ["rms", "sign_pack_reference", "sign_unpack_reference"]
 _TINY = 2.0**-60
 
 
-def rms(values: jax.Array) -> jax.Array:
+def _rms(values: jax.Array) -> jax.Array:
     """``sqrt(sum(v * v) / n)`` over the last axis: the scale both implementations share.
 
     It is a global reduction, so it stays in XLA for either implementation (the kernels
     then agree bit for bit). ``v * v`` overflows float32 when ``|v|`` exceeds ~1.8e19 and
     underflows below ~1e-19; only then (the plain result is inf, or below 2^-60) is the
     RMS taken again of ``v / max|v|`` and scaled back, so ordinary values cost one pass
-    and keep these exact bits.
+    and keep these exact bits. Under ``vmap`` it runs once on the stacked rows
+    (`shoal.kernels.dispatch.batched`), so the decision to rescale is one for the whole
+    batch, a real branch: a per-row decision would be batched, and the rescaling (three
+    more passes) would run on every call. Rows that need none keep the plain value either
+    way.
     """
     n = jnp.float32(values.shape[-1])
     plain = jnp.sqrt(jnp.sum(values * values, axis=-1) / n)
@@ -44,6 +49,9 @@ def rms(values: jax.Array) -> jax.Array:
 
     suspect = jnp.isinf(plain) | (plain < _TINY)  # False for NaN
     return vma.cond(jnp.any(suspect), rescaled, lambda: plain)
+
+
+rms = batched(_rms)
 
 
 def negative_bits(values: jax.Array) -> jax.Array:

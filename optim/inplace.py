@@ -24,7 +24,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.comms.vma import axes_of, joint, vary, vary_as
+from shoal.vma import axes_of, joint, vary, vary_as
 
 
 def run_if(pred: Any, fn: Callable[[Any], Any], carry: Any) -> Any:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from shoal.comms import vma
+from shoal import vma
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from shoal.comms import vma
+from shoal import vma
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.compressed import OneBit

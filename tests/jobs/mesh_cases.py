@@ -20,8 +20,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from shoal import optim
-from shoal.comms import AxisCollective, Quantized, TopK, vma
+from shoal import optim, vma
+from shoal.comms import AxisCollective, Quantized, TopK
 
 N = 4
 STEPS = 7
