@@ -21,7 +21,7 @@ from harness import QUICKSTART, assert_same_run, mpiexec, mpiexec_per_rank, read
 
 from shoal.comms import tree_nbytes
 from shoal.comms.wire import all_reduce_bytes
-from shoal.experiments import algorithms
+from shoal.experiments import algorithms, builders
 from shoal.experiments.config import (
     Config,
     ConfigError,
@@ -259,7 +259,7 @@ def test_outputs_are_consistent(sim_run):
 def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
     # A registered algorithm is selectable from the command line.
     def slow(cfg, collective):
-        return algorithms.ssgd(dataclasses.replace(cfg, learning_rate=cfg.learning_rate / 10),
+        return builders.ssgd(dataclasses.replace(cfg, learning_rate=cfg.learning_rate / 10),
                                collective)  # fmt: skip
 
     monkeypatch.setitem(algorithms.ALGORITHMS, "ssgd_slow", algorithms.Algorithm(slow))
