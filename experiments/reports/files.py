@@ -22,6 +22,7 @@ from shoal.experiments.reports.markdown import (
 from shoal.experiments.reports.plots import (
     PLOTS,
     SAMPLES_PLOT,
+    onebit_pair,
     plot_accuracy,
     plot_loss,
     plot_test_vs_samples,
@@ -90,13 +91,15 @@ def write_run(
     records: Sequence[dict[str, Any]],
     summaries: Sequence[dict[str, Any]],
     *,
+    entries: Sequence[Any] = (),
     backend: str,
     command: str,
     task: Any = None,
 ) -> list[Path]:
-    """Write every output file of a run into ``out``; returns their paths. With a
-    ``lamb`` and ``onebit_lamb`` entry, the summary gains `onebit_section` and its plot;
-    a ``task`` with ``corpus_info()`` adds a data section."""
+    """Write every output file of a run into ``out``; returns their paths. ``entries``
+    are the run's resolved algorithms (`shoal.experiments.algorithms.Entry`); with a
+    ``lamb`` and ``onebit_lamb`` among them, the summary gains `onebit_section` and its
+    plot. A ``task`` with ``corpus_info()`` adds a data section."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / n for n in ("metrics.jsonl", "metrics.csv", *PLOTS, "summary.md")]
     paths.append(out / "report.md")
@@ -109,11 +112,12 @@ def write_run(
     plot_loss(paths[2], records, "step", "step")
     plot_loss(paths[3], records, "mb_sent", "MB sent per worker (cumulative)")
     plot_accuracy(paths[4], records)
-    onebit = onebit_section(cfg, records, summaries)
+    pair = onebit_pair(entries)
+    onebit = onebit_section(pair, records, summaries)
     extra = policy_section(records) + projection_section(cfg, summaries) + onebit
     if onebit:  # the section shows this plot
         paths.append(out / SAMPLES_PLOT)
-        plot_test_vs_samples(paths[-1], cfg, records)
+        plot_test_vs_samples(paths[-1], cfg, records, pair)
     info = getattr(task, "corpus_info", None)
     if info is not None:
         extra += "\n## Data\n\n" + "\n".join(f"- {k}: {v}" for k, v in info().items()) + "\n"

@@ -10,7 +10,7 @@ from typing import Any
 
 from shoal.experiments import algorithms
 from shoal.experiments.config import flatten
-from shoal.experiments.reports.plots import PLOTS, SAMPLES_PLOT, onebit_pair
+from shoal.experiments.reports.plots import PLOTS, SAMPLES_PLOT
 
 COLUMNS = (
     "algorithm",
@@ -177,12 +177,11 @@ def volume_reduction(warmup_fraction: float, bits: int) -> float:
 
 
 def onebit_section(
-    cfg: Any, records: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]]
+    pair: Any, records: Sequence[dict[str, Any]], summaries: Sequence[dict[str, Any]]
 ) -> str:
-    """Markdown comparing the ``lamb`` and ``onebit_lamb`` entries (see `onebit_pair`):
-    final test loss and gap, MB sent per worker, and the measured volume reduction next
-    to the paper's formula (`volume_reduction`). Empty without such a pair."""
-    pair = onebit_pair(cfg)
+    """Markdown comparing the ``lamb`` and ``onebit_lamb`` entries of ``pair``
+    (`onebit_pair`): final test loss and gap, MB sent per worker, and the measured volume
+    reduction next to the paper's formula (`volume_reduction`). Empty without a pair."""
     if pair is None:
         return ""
     by_name = {s["algorithm"]: s for s in summaries}
@@ -195,7 +194,7 @@ def onebit_section(
     warm_bytes, comp_bytes = rows[0]["bytes_sent"], rows[-1]["bytes_sent"]
     measured = base["mb_sent"] / one["mb_sent"]
     gap = one["test_loss"] - base["test_loss"]
-    lm = getattr(cfg, "task", None) == "lm"
+    lm = getattr(entry.cfg, "task", None) == "lm"
     what = "validation loss (nats per byte)" if lm else "test loss"
     bpb = lambda s: f" ({s['test_loss'] / math.log(2):.4f} bits per byte)" if lm else ""
     return f"""

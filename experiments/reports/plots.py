@@ -209,11 +209,10 @@ def plot_accuracy(path: Path, records: Sequence[dict[str, Any]]) -> Figure:
     return fig
 
 
-def onebit_pair(cfg: Any) -> tuple[str, algorithms.Entry] | None:
-    """The first entry of ``cfg.algorithms`` whose algorithm ``compares_to`` another
+def onebit_pair(entries: Sequence[algorithms.Entry]) -> tuple[str, algorithms.Entry] | None:
+    """The first of the run's resolved ``entries`` whose algorithm ``compares_to`` another
     (1-bit LAMB: LAMB), with the first entry of that other one, if both exist:
     ``(base label, entry)``."""
-    entries = algorithms.resolve_all(cfg)
     first = {}
     for e in entries:
         first.setdefault(e.name, e.label)
@@ -229,15 +228,17 @@ def samples(cfg: Any, step: int) -> int:
     return step * cfg.workers * cfg.batch_size
 
 
-def plot_test_vs_samples(path: Path, cfg: Any, records: Sequence[dict[str, Any]]) -> None:
-    """Test (validation) loss against the examples seen, one line per algorithm."""
+def plot_test_vs_samples(
+    path: Path, cfg: Any, records: Sequence[dict[str, Any]], pair: Any = None
+) -> None:
+    """Test (validation) loss against the examples seen, one line per algorithm; with
+    ``pair`` (`onebit_pair`), a line at its freeze step."""
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.subplots()
     for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in records)):
         ev = [r for r in records if r["algorithm"] == name and "test_loss" in r]
         ax.plot([samples(cfg, r["step"]) for r in ev], [r["test_loss"] for r in ev], "o-",
                 color=f"C{i}", ms=3, label=name)  # fmt: skip
-    pair = onebit_pair(cfg)
     if pair is not None:
         freeze = pair[1].algorithm.warmup(pair[1].cfg)
         ax.axvline(samples(cfg, freeze), color="grey", ls=":", label="1-bit LAMB freeze step")

@@ -488,6 +488,7 @@ def _main(args, argv, backend) -> int:
         cfg,
         [rec for r in results for rec in r.records],
         summaries,
+        entries=entries,
         backend=args.backend,
         command=command,
         task=task,

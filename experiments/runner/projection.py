@@ -67,7 +67,9 @@ def project_run(
     ``cfg.algorithms``) on `target` ``(cfg)``; ``policy_changes`` are ``(step, changes)``
     made after those steps."""
     cluster = target(cfg)
-    entry = algorithms.resolve(algorithm, cfg)
+    entry = (
+        algorithm if isinstance(algorithm, algorithms.Entry) else algorithms.resolve(algorithm, cfg)
+    )
     group_size = entry.group_size
     context = algorithms.BuildContext(task=task)
     params = task.init_params()

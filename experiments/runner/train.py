@@ -362,7 +362,9 @@ def train(
     this call (``finished`` is then False).
     """
     check_grad_chunk(cfg.grad_chunk, backend.name, backend.size)
-    run = _Run(cfg, task, backend, algorithms.resolve(algorithm, cfg))
+    # An Entry comes resolved (the CLI and studies resolve every entry before training).
+    entry = algorithm if isinstance(algorithm, Entry) else algorithms.resolve(algorithm, cfg)
+    run = _Run(cfg, task, backend, entry)
     saved = checkpoints.load() if checkpoints is not None and resume else None
     if saved is not None:
         run.resume(saved)
