@@ -261,6 +261,8 @@ class Config:
             f"a divisor of lm_width = {self.lm_width}",
         )
         _check(self.lamb_learning_rate > 0, "lamb_learning_rate", "a float > 0")
+        # Also AdamW's (ssgd_adamw, DiLoCo's inner step), which optax does not check.
+        _check(self.weight_decay >= 0, "weight_decay", "a float >= 0")
         _check(0 <= self.lamb_lr_warmup < 1, "lamb_lr_warmup", "a float in [0, 1)")
         _check(0 < self.onebit_freeze_fraction < 1, "onebit_freeze_fraction", "a float in (0, 1)")
         _check(
