@@ -32,6 +32,7 @@ from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    check_int,
     checked,
     require_params,
 )
@@ -230,10 +231,7 @@ def check_outer_args(collective, inner, outer, sync_every, exchange) -> int:
     check_collective(collective)
     _check_transformation("inner", inner)
     _check_transformation("outer", outer)
-    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)):
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-    if sync_every < 1:
-        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    check_int("sync_every", sync_every, 1)
     if exchange is not None and not isinstance(exchange, Compressor):
         raise ValueError(
             "exchange must be None or a shoal.comms.Compressor (e.g. Quantized('fp4')), "

@@ -44,6 +44,7 @@ from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    check_int,
     checked,
     concrete_float,
     require_params,
@@ -148,10 +149,7 @@ class _Hyper(NamedTuple):
 def _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask) -> _Hyper:
     """The hyper-parameters both algorithms share, checked."""
     check_collective(collective)
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, np.integer)):
-        raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-    if freeze_step < 1:
-        raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+    check_int("freeze_step", freeze_step, 1)
     if not callable(learning_rate):
         _check_range("learning_rate", learning_rate, 0.0, np.inf, high_open=True)
     _check_range("b1", b1, 0.0, 1.0, high_open=True)

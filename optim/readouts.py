@@ -17,6 +17,10 @@ from typing import Any
 import jax
 from optax import tree_utils
 
+from shoal.optim.gtc import sent_fraction
+from shoal.optim.noise_scale import noise_scale
+from shoal.optim.nonfinite import skipped_steps
+
 __all__ = ["evaluation_params", "step_figures"]
 
 
@@ -36,10 +40,6 @@ def step_figures(opt_state: Any) -> dict[str, jax.Array]:
     Returns:
       a dict of scalar arrays (a leading worker axis when stacked or under ``vmap``).
     """
-    from shoal.optim.gtc import sent_fraction
-    from shoal.optim.noise_scale import noise_scale
-    from shoal.optim.nonfinite import skipped_steps
-
     found = {
         "density": sent_fraction(opt_state),
         "noise_scale": noise_scale(opt_state),

@@ -50,6 +50,7 @@ class Backend(Protocol):
 
     name: str
     size: int
+    rank: int  # this process's index (0 for simulated workers: one process)
     is_root: bool
     collective: Any
     servers: ParameterServers | None
@@ -104,6 +105,7 @@ class SimBackend(_WholeWorkers):
     """
 
     name = "sim"
+    rank = 0
     is_root = True
     servers = None
 

@@ -308,14 +308,14 @@ class Checkpointer:
 
     ``meta`` identifies the run (algorithm, workers, backend, devices per worker, config);
     `load` refuses a checkpoint whose workers, devices per worker or config differ.
-    ``comm`` (an mpi4py communicator, or None for a single process) makes every process
-    agree on the step they resume from.
+    ``backend.gather_all`` (`shoal.experiments.runner.backends.Backend`) makes every
+    process agree on the step they resume from.
     """
 
     def __init__(self, root: Path, algorithm: str, cfg: Config, backend: Any):
         self.folder = Path(root) / folder_name(algorithm)
-        self.rank = int(getattr(backend, "rank", 0))
-        self.comm = getattr(backend, "comm", None)
+        self.rank = backend.rank
+        self.backend = backend
         self.every = cfg.checkpoint_every
         self.dir = self.folder / f"rank_{self.rank}"
         self._orbax: ocp.CheckpointManager | None = None
@@ -326,7 +326,7 @@ class Checkpointer:
             "workers": cfg.workers,
             "backend": backend.name,
             # A worker of K devices saves its devices' pieces: another K cannot read them.
-            "devices_per_worker": getattr(backend, "devices_per_worker", 1),
+            "devices_per_worker": backend.devices_per_worker,
             "rank": self.rank,
             "config_fingerprint": fingerprint(fields),
             "config": fields,
@@ -431,10 +431,7 @@ class Checkpointer:
                 good.append(step)
             except CheckpointError as e:
                 problems.append(str(e))
-        if self.comm is not None:
-            everyone = self.comm.allgather((bool(steps), good, problems))
-        else:
-            everyone = [(bool(steps), good, problems)]
+        everyone = self.backend.gather_all((bool(steps), good, problems))
         if not any(found for found, _, _ in everyone):
             return None
         common = set.intersection(*(set(g) for _, g, _ in everyone))
