@@ -76,7 +76,8 @@ from run_all import cpu_model  # benchmarks/ is on sys.path when this runs as a 
 
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import BuildContext, local_sgd
-from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.config import ConfigError
+from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.malloc import reexec_with_tunables
 from shoal.experiments.runner.train import compile_step, make_step

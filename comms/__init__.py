@@ -11,14 +11,8 @@ from shoal.comms.compressed import (
     compressed_allreduce_padded_size,
 )
 from shoal.comms.compressor import Compressor, Float32
-from shoal.comms.fusion import (
-    AtomicPlacement,
-    FusionPlan,
-    atomic_placement,
-    broadcast_order,
-    gradient_order,
-    plan_fusion,
-)
+from shoal.comms.fusion import AtomicPlacement, FusionPlan, atomic_placement, plan_fusion
+from shoal.comms.gradient_order import broadcast_order, gradient_order
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
 from shoal.comms.quantized import (

@@ -190,7 +190,7 @@ def resolve(entry: str | Entry, cfg: Config) -> Entry:
     or settings the algorithm cannot run (its ``check``), naming the entry."""
     if isinstance(entry, Entry):
         return entry
-    from shoal.experiments.config import apply_overrides
+    from shoal.experiments.overrides import apply_overrides
 
     name, overrides = parse_entry(entry)
     algo = ALGORITHMS.get(name)

@@ -27,9 +27,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from shoal.comms import AxisCollective, two_tier
-from shoal.experiments.config import load_config
 from shoal.experiments.configs.acoustic import entries
 from shoal.experiments.configs.acoustic import get_config as acoustic_config
+from shoal.experiments.overrides import load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task

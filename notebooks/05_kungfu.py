@@ -24,7 +24,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from shoal.experiments.config import load_config
+from shoal.experiments.overrides import load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.policies import noise_scale_switch
 from shoal.experiments.runner.train import train

@@ -19,7 +19,7 @@ import numpy as np
 
 from shoal.comms import Cluster, record_events, step_comm_time
 from shoal.experiments import algorithms
-from shoal.experiments.config import load_config
+from shoal.experiments.overrides import load_config
 from shoal.experiments.tasks import make_task
 
 SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer sizes and steps

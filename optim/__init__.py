@@ -14,7 +14,9 @@ from shoal.optim.nonfinite import (
     SkipNonFiniteState,
     skip_nonfinite,
 )
-from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_adam, onebit_lamb
+from shoal.optim.onebit import OneBitAdamState, OneBitLambState
+from shoal.optim.onebit_adam import onebit_adam
+from shoal.optim.onebit_lamb import onebit_lamb
 from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
 from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
 from shoal.optim.powersgd import PowerSGDState, powersgd

@@ -19,7 +19,8 @@ import optax
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, sum_rows
-from shoal.comms.fusion import FusionPlan, broadcast_order, plan_fusion
+from shoal.comms.fusion import FusionPlan, plan_fusion
+from shoal.comms.gradient_order import broadcast_order
 from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes

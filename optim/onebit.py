@@ -1,5 +1,7 @@
-"""1-bit LAMB and 1-bit Adam: frozen-variance optimizers whose momentum crosses the wire
-as signs, through the error-compensated `shoal.comms.compressed_allreduce`.
+"""The shared part of 1-bit Adam (`shoal.optim.onebit_adam`) and 1-bit LAMB
+(`shoal.optim.onebit_lamb`): their states, hyper-parameter checks and the two-stage
+transformation whose momentum crosses the wire as signs, through the error-compensated
+`shoal.comms.compressed_allreduce`.
 
 Both run in two stages on a rank-uniform step counter ``t = 1, 2, ...`` (a real
 in-place branch, `run_if`, so each step runs only its own collectives):
@@ -31,14 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from shoal import vma
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.compressed import OneBit
 from shoal.comms.compressor import tree_mean
-from shoal.comms.shards import check_sharded_alike, worker_max, worker_size, worker_sums
+from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
@@ -50,7 +50,7 @@ from shoal.optim.validation import (
     require_params,
 )
 
-__all__ = ["OneBitAdamState", "OneBitLambState", "onebit_adam", "onebit_lamb"]
+__all__ = ["OneBitAdamState", "OneBitLambState"]
 
 
 class OneBitAdamState(NamedTuple):
@@ -179,22 +179,6 @@ def _f32(xs):
     return [jnp.asarray(x, jnp.float32) for x in xs]
 
 
-def _norms(xs, collective):
-    """The norm of each array in ``xs``, of the whole leaf: a worker that spans devices
-    sums its shards' squares, in one collective for all (`shoal.comms.shards`)."""
-    return [jnp.sqrt(q) for q in worker_sums([jnp.sum(x * x) for x in xs], collective)]
-
-
-def _on_its_own(x):
-    """``x`` unchanged (float32 rounded to float32), computed by a loop of its own.
-
-    A reduction of ``x`` then reads it from memory. Otherwise XLA:CPU computes ``x``
-    inside the reduction (a YNNPACK fusion): on one thread, ~4x slower when ``x`` divides
-    or takes square roots, and rounded differently from a stored ``x``.
-    """
-    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23)
-
-
 def _numel(tree) -> int:
     return sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(tree))
 
@@ -285,275 +269,4 @@ def _two_stage(name, state_type, h: _Hyper, *, init, warmup, scales, compressed)
 
     return optax.GradientTransformationExtraArgs(
         init_fn, checked(name, state_type, update_fn, lambda s: s.mu)
-    )
-
-
-# ------------------------------------------------------------------------ 1-bit Adam
-
-
-def onebit_adam(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    collective: Collective,
-    freeze_step: int,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    momentum_mask: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-    """1-bit Adam (Tang et al. 2021, Algorithm 1), without bias correction.
-
-    Inputs are each worker's local gradients; outputs are the updates (the same on every
-    worker), to be applied with ``optax.apply_updates``. Per leaf, with ``t`` from 1::
-
-        warm-up (t <= freeze_step), g = mean_i g_i (all-reduce):
-            m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-        compression (t > freeze_step), local g_i:
-            m = compressed_allreduce(b1 m + (1 - b1) g_i)   (all leaves fused)
-            m = m * momentum_mask                           (if given)
-        update = -lr (m / (sqrt(v) + eps) + weight_decay p)
-
-    Args:
-      learning_rate: a float or an optax schedule (called with the 0-based step count).
-      collective: the workers (`shoal.comms.Collective`).
-      freeze_step: warm-up steps (``>= 1``); ``v`` is frozen after step ``freeze_step``.
-      b1, b2: moment decays in ``[0, 1)``.
-      eps: ``> 0``, added to ``sqrt(v)``.
-      weight_decay: ``>= 0``, decoupled (added to the update as in AdamW).
-      momentum_mask: optional params-shaped tree of 0/1 arrays (broadcastable to the
-        leaves) marking elements whose gradients are structurally zero; their momentum is
-        zeroed after each decompression, so compression noise cannot move them. Without
-        it such an element diverges: its frozen ``v`` is 0 and the decompressed momentum
-        is ``+-scale``, never 0, so its update is ``scale / eps``.
-
-    Returns:
-      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
-      a `OneBitAdamState` and whose ``update(updates, state, params=None)``
-      returns ``(updates, new_state)``; the updates are ``-lr`` times the Adam
-      direction, identical on every worker.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, optax
-      >>> from shoal.comms import AxisCollective
-      >>> coll = AxisCollective("workers", 2)
-      >>> from shoal.optim import onebit_adam
-      >>> tx = onebit_adam(0.1, collective=coll, freeze_step=1)
-      >>> def train(params, g):
-      ...     state = tx.init(params)
-      ...     for _ in range(3):  # one warm-up step, then two compressed ones
-      ...         updates, state = tx.update(g, state, params)
-      ...         params = optax.apply_updates(params, updates)
-      ...     return params
-      >>> grads = jnp.array([[1.0, 2.0], [3.0, 2.0]])  # one row per worker
-      >>> out = jax.vmap(train, axis_name="workers")(jnp.zeros((2, 2)), grads)
-      >>> print(out.round(3))
-      [[-0.91 -0.91]
-       [-0.91 -0.91]]
-
-    References:
-      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
-      Adam's Convergence Speed", ICML 2021, Algorithm 1.
-    """
-    h = _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
-    rate = lambda step: [jnp.asarray(-step.lr, jnp.float32)] * len(step.grads)  # both stages
-    return _two_stage(
-        "onebit_adam",
-        OneBitAdamState,
-        h,
-        init=lambda params, zeros: {},
-        warmup=lambda state, step: (state, rate(step)),
-        scales=lambda state, step: (state, None),
-        compressed=lambda state, mu_last, step: (state, rate(step)),
-    )
-
-
-# ------------------------------------------------------------------------ 1-bit LAMB
-
-
-def onebit_lamb(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    collective: Collective,
-    freeze_step: int,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    max_coeff: float = 10.0,
-    min_coeff: float = 0.01,
-    coeff_beta: float = 0.9,
-    factor_max: float = 4.0,
-    factor_min: float = 0.5,
-    factor_threshold: float = 0.1,
-    momentum_mask: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-    """1-bit LAMB (Li et al. 2021, Algorithm 1), without bias correction.
-
-    Inputs are each worker's local gradients; outputs are the updates (the same on every
-    worker), to be applied with ``optax.apply_updates``. A "layer" is a leaf of the
-    parameter tree; ``t`` counts from 1.
-
-    Warm-up, ``t <= freeze_step``, on ``g = mean_i g_i`` (plain all-reduce), per layer::
-
-        m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
-        u = m / (sqrt(v) + eps) + weight_decay p
-        c = clip(||p|| / ||u||, min_coeff, max_coeff)   (1 if either norm is 0)
-        coeff_avg = coeff_beta coeff_avg + (1 - coeff_beta) c   (only when c != 1)
-        update = -lr c u;   at t == freeze_step: v_fresh = v
-
-    At the first compressed step, from the warm-up momentum: ``r_l = ||m_l|| /
-    sqrt(numel_l)``, ``scale_l = mean_k(r_k) / r_l`` (1 where ``r_l = 0``), then frozen.
-    Compression, ``t > freeze_step``, on each worker's local ``g_i``, per layer::
-
-        m_last = m;   m = (b1 m + (1 - b1) g_i) scale_l
-        m = compressed_allreduce(m) / scale_l      (all layers fused: one exchange)
-        g_rec = (m - b1 m_last) / (1 - b1);   v_fresh = b2 v_fresh + (1 - b2) g_rec^2
-        d = sqrt(v) + eps;   u_pre = m / d;   u = u_pre + weight_decay p
-        f = max(d / (sqrt(v_fresh) + eps))
-        if weight_decay > 0: rho = min(1, ||u_pre|| / ||u||), f = f rho + (1 - rho)
-        f = clip(f, factor_min, factor_max)
-        f = clip(f, f_last (1 - factor_threshold), f_last (1 + factor_threshold))
-        f_last = f   (starts at 1);   update = -lr coeff_avg f u
-
-    (``rho = 1`` when ``||u|| = 0``.)
-
-    Args:
-      learning_rate: a float or an optax schedule (called with the 0-based step count).
-      collective: the workers (`shoal.comms.Collective`).
-      freeze_step: warm-up steps (``>= 1``).
-      b1, b2: moment decays in ``[0, 1)``.
-      eps: ``> 0``.
-      weight_decay: ``>= 0``.
-      max_coeff, min_coeff: bounds of the warm-up LAMB coefficient,
-        ``0 <= min_coeff <= max_coeff``.
-      coeff_beta: decay of the coefficient average, in ``[0, 1)``.
-      factor_max, factor_min: bounds of the compression-stage factor,
-        ``0 <= factor_min <= factor_max``.
-      factor_threshold: the largest relative change of the factor per step, ``>= 0``.
-      momentum_mask: optional params-shaped tree of 0/1 arrays (broadcastable to the
-        leaves) for structurally zero gradients; their momentum is zeroed after each
-        decompression (without it they diverge, as in `onebit_adam`).
-
-    Returns:
-      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
-      a `OneBitLambState` and whose ``update(updates, state, params=None)``
-      returns ``(updates, new_state)``; the updates are identical on every worker.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, optax
-      >>> from shoal.comms import AxisCollective
-      >>> coll = AxisCollective("workers", 2)
-      >>> from shoal.optim import onebit_lamb
-      >>> tx = onebit_lamb(0.1, collective=coll, freeze_step=1)
-      >>> def train(params, g):
-      ...     state = tx.init(params)
-      ...     for _ in range(3):
-      ...         updates, state = tx.update(g, state, params)
-      ...         params = optax.apply_updates(params, updates)
-      ...     return params
-      >>> grads = jnp.array([[1.0, 2.0], [3.0, 2.0]])  # one row per worker
-      >>> out = jax.vmap(train, axis_name="workers")(jnp.ones((2, 2)), grads)
-      >>> print(out.round(3))
-      [[0.883 0.883]
-       [0.883 0.883]]
-
-    References:
-      Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
-      Training with LAMB's Convergence Speed", 2021, Algorithm 1.
-    """
-    h = _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
-    for name, value, high in [
-        ("max_coeff", max_coeff, np.inf),
-        ("min_coeff", min_coeff, np.inf),
-        ("coeff_beta", coeff_beta, 1.0),
-        ("factor_max", factor_max, np.inf),
-        ("factor_min", factor_min, np.inf),
-        ("factor_threshold", factor_threshold, np.inf),
-    ]:
-        _check_range(name, value, 0.0, high, high_open=True)
-    _check_order("min_coeff", min_coeff, "max_coeff", max_coeff)
-    _check_order("factor_min", factor_min, "factor_max", factor_max)
-    leaves = jax.tree.leaves
-    # Without weight decay rho is 1 whatever the norms: skip the passes that take them.
-    decays = concrete_float(weight_decay) != 0
-
-    def init(params, zeros):
-        scalar = lambda value: jax.tree.map(lambda _: jnp.full((), value, jnp.float32), params)
-        return dict(
-            nu_fresh=zeros, coeff_avg=scalar(0.0), last_factor=scalar(1.0), scale=scalar(1.0)
-        )
-
-    def warmup(state, step):
-        p = step.params
-        # Stored, then its norm taken: the coefficients do not hang on XLA's fusion.
-        us = [
-            _on_its_own(m / (jnp.sqrt(v) + eps) + weight_decay * w)
-            for m, v, w in zip(leaves(state.mu), leaves(state.nu), p)
-        ]
-        norms = _norms([*p, *us], collective)
-        rate, avg = [], []
-        for w_norm, u_norm, a in zip(norms[: len(p)], norms[len(p) :], leaves(state.coeff_avg)):
-            ok = (w_norm > 0) & (u_norm > 0)
-            coeff = jnp.where(
-                ok, jnp.clip(w_norm / jnp.where(ok, u_norm, 1.0), min_coeff, max_coeff), 1.0
-            )
-            avg.append(jnp.where(coeff != 1, coeff_beta * a + (1 - coeff_beta) * coeff, a))
-            rate.append(-step.lr * coeff)
-        # v freezes after this step and v_fresh starts from it: a copy on that step only.
-        # (What a nested `run_if` reads goes in its carry, or XLA copies it every step.)
-        freeze = lambda c: (c[0], c[0])
-        nu, fresh = run_if(step.count == freeze_step - 1, freeze, (state.nu, state.nu_fresh))
-        return state._replace(nu=nu, nu_fresh=fresh, coeff_avg=step.tree(avg)), rate
-
-    def scales(state, step):
-        # Once, from the warm-up momentum: they even out the layers' momentum magnitudes
-        # so that one shared 1-bit scale does not drown the small layers.
-        def fresh(mu):
-            mu = leaves(mu)
-            sizes = [math.sqrt(max(worker_size(m, collective), 1)) for m in mu]
-            r = [x / k for x, k in zip(_norms(mu, collective), sizes)]
-            united = sum(r) / len(r)
-            return step.tree([jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r])
-
-        # A branch, not `run_if`: its result is small, and a loop would copy what it reads.
-        keep = lambda _: state.scale
-        scale = vma.cond(step.count == freeze_step, fresh, keep, state.mu)
-        return state._replace(scale=scale), scale
-
-    def compressed(state, mu_last, step):
-        mu, p = leaves(state.mu), step.params
-        fresh, u_pres, us, raw = [], [], [], []
-        for m, m_last, v, vf, w in zip(mu, mu_last, leaves(state.nu), leaves(state.nu_fresh), p):
-            g_rec = (m - b1 * m_last) / (1 - b1)
-            fresh.append(b2 * vf + (1 - b2) * g_rec * g_rec)
-            denom = jnp.sqrt(v) + eps
-            u_pres.append(m / denom)
-            us.append(u_pres[-1] + weight_decay * w)
-            raw.append(jnp.max(_on_its_own(denom / (jnp.sqrt(fresh[-1]) + eps))))
-        # The worker's norms and maxima, each in one collective when it spans devices.
-        norms = _norms([*us, *u_pres], collective) if decays else None
-        raw = worker_max(jnp.stack(raw), collective)
-        rate, factors = [], []
-        for i, (avg, f_last) in enumerate(zip(leaves(state.coeff_avg), leaves(state.last_factor))):
-            f = raw[i]
-            if decays:
-                u_norm, pre_norm = norms[i], norms[len(us) + i]
-                ratio = pre_norm / jnp.where(u_norm > 0, u_norm, 1)
-                rho = jnp.where(u_norm > 0, jnp.minimum(1.0, ratio), 1)
-                f = jnp.where(weight_decay > 0, f * rho + (1 - rho), f)
-            f = jnp.clip(f, factor_min, factor_max)
-            f = jnp.clip(f, f_last * (1 - factor_threshold), f_last * (1 + factor_threshold))
-            rate.append(-step.lr * avg * f)
-            factors.append(f)
-        return state._replace(nu_fresh=step.tree(fresh), last_factor=step.tree(factors)), rate
-
-    return _two_stage(
-        "onebit_lamb",
-        OneBitLambState,
-        h,
-        init=init,
-        warmup=warmup,
-        scales=scales,
-        compressed=compressed,
     )

@@ -11,7 +11,8 @@ import harness
 import numpy as np
 import pytest
 
-from shoal.experiments.config import Config, ConfigError, load_file
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.overrides import load_file
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.cli import main
 from shoal.experiments.runner.study import Row, relative_reduction

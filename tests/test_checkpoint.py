@@ -23,7 +23,7 @@ import pytest
 from harness import QUICKSTART, UNDER_MPI, mpiexec
 
 from shoal.experiments.config import Config
-from shoal.experiments.runner import checkpoint
+from shoal.experiments.runner import checkpoint, checkpoint_files
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError
 from shoal.experiments.runner.cli import main
@@ -68,7 +68,7 @@ def edit_meta(step: Path, edit) -> None:
     """Apply ``edit`` to a checkpoint's JSON part and seal it again (a valid checkpoint)."""
     meta = meta_of(step)
     edit(meta)
-    (step / "meta" / "meta.json").write_text(json.dumps(checkpoint.seal(meta)))
+    (step / "meta" / "meta.json").write_text(json.dumps(checkpoint_files.seal(meta)))
 
 
 def data_file(step: Path) -> Path:
@@ -243,7 +243,7 @@ def test_saved_state_round_trips_exactly_and_damage_is_named(tmp_path):
         bad = Checkpointer(root, "ssgd", cfg, SimBackend(2))
         harm(root / "ssgd" / "rank_0" / "step_3")
         with pytest.raises(CheckpointError) as e:
-            checkpoint.read(bad.path(3))
+            checkpoint_files.read(bad.path(3))
         assert f"checkpoint {root / 'ssgd' / 'rank_0' / 'step_3'}/{said}" in str(e.value), what
         assert bad.load()["step"] == 2, what  # the previous one is used
 
@@ -423,11 +423,11 @@ def test_orbax_info_logging_is_muted(tmp_path, caplog):
     ckpt = Checkpointer(tmp_path, "ssgd", Config(workers=2), SimBackend(2))
     caplog.set_level(logging.DEBUG)
     absl = logging.getLogger("absl")
-    absl.removeFilter(checkpoint._orbax_info)
+    absl.removeFilter(checkpoint_files._orbax_info)
     try:
         ckpt.save(1, small_state(1))
     finally:
-        absl.addFilter(checkpoint._orbax_info)
+        absl.addFilter(checkpoint_files._orbax_info)
     assert any("/orbax/" in r.pathname for r in caplog.records)  # without the filter
     caplog.clear()
     ckpt.save(2, small_state(2))

@@ -29,7 +29,7 @@ from harness import QUICKSTART, mpiexec, read_jsonl
 from shoal.comms import compressed_allreduce_bytes
 from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
 from shoal.experiments import algorithms
-from shoal.experiments.config import apply_overrides, load_file
+from shoal.experiments.overrides import apply_overrides, load_file
 from shoal.experiments.runner.cli import main
 from shoal.experiments.tasks import make_task
 from shoal.optim.gtc import resolve_capacity

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from harness import QUICKSTART, UNDER_MPI, mpiexec
 
-from shoal.experiments.runner.checkpoint import COMMITTED, read
+from shoal.experiments.runner.checkpoint_files import COMMITTED, read
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="starts its own mpiexec jobs")
 

@@ -14,7 +14,8 @@ import pytest
 from harness import QUICKSTART
 
 from shoal.experiments import algorithms
-from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.config import ConfigError
+from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.cli import main
 from shoal.experiments.runner.train import compile_step, train

@@ -9,7 +9,7 @@ import pytest
 from harness import QUICKSTART
 
 from shoal.comms import tree_nbytes
-from shoal.experiments.config import apply_overrides, load_config
+from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.policies import noise_scale_switch
 from shoal.experiments.runner.train import carry_state, train

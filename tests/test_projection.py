@@ -7,7 +7,8 @@ from harness import QUICKSTART
 
 from shoal.comms import Cluster, Event, step_comm_time, tree_nbytes
 from shoal.costmodel import ring_all_reduce
-from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.config import ConfigError
+from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.projection import project_run
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import pgx_partition

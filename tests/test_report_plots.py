@@ -18,7 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from shoal.experiments import reports as report
-from shoal.experiments.config import ConfigError, apply_overrides, load_config
+from shoal.experiments.config import ConfigError
+from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.cli import main
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner starts its own workers")

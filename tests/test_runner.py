@@ -22,16 +22,12 @@ from harness import QUICKSTART, assert_same_run, mpiexec, mpiexec_per_rank, read
 from shoal.comms import tree_nbytes
 from shoal.comms.wire import all_reduce_bytes
 from shoal.experiments import algorithms, builders
-from shoal.experiments.config import (
-    Config,
-    ConfigError,
-    apply_overrides,
-    load_config,
-    parse_value,
-)
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.overrides import apply_overrides, load_config, parse_value
 from shoal.experiments.reports import PLOTS
+from shoal.experiments.runner.arguments import resolve_workers
 from shoal.experiments.runner.backends import SimBackend
-from shoal.experiments.runner.cli import main, resolve_workers
+from shoal.experiments.runner.cli import main
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import BMUFState

@@ -238,7 +238,7 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     forward+backward seconds of one local batch in this process alone."""
     from shoal.comms import record_events, step_comm_time
     from shoal.experiments import algorithms
-    from shoal.experiments.config import apply_overrides, load_config
+    from shoal.experiments.overrides import apply_overrides, load_config
     from shoal.experiments.runner.projection import compute_seconds
     from shoal.experiments.tasks import make_task
 

@@ -6,7 +6,7 @@ variable whole on one server) versus balanced fusion buffers (BFB) of the paper'
 Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for the Cloud"
 (SC 2020), section III, Tables II-III and Fig. 1. Everything is computed from shapes
 (`jax.eval_shape` of `shoal.experiments.tasks.bert`, fp16) and the production order of the
-MLM + NSP loss's gradients (`shoal.comms.fusion.gradient_order`), with `plan_fusion` and
+MLM + NSP loss's gradients (`shoal.comms.gradient_order`), with `plan_fusion` and
 `atomic_placement`; nothing is allocated or trained. Run with
 ``shoal-run experiments/configs/herring_table3.py`` (about 4 s on an idle 2-core CPU, half
 of it tracing BERT-large's backward pass); it writes ``runs/herring_table3/``: ``table3.csv``,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.experiments import algorithms
-from shoal.experiments.config import flatten
+from shoal.experiments.overrides import flatten
 from shoal.experiments.reports.plots import PLOTS, SAMPLES_PLOT
 
 COLUMNS = (

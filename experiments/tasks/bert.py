@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.comms.fusion import gradient_order
+from shoal.comms.gradient_order import gradient_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +215,7 @@ def pretraining_loss(config: BertConfig):
 
 def production_order(config: BertConfig = BERT_LARGE, **batch_kwargs) -> tuple[int, ...]:
     """Leaf indices (``jax.tree.leaves`` of `param_shapes`) in the order the backward pass
-    of `pretraining_loss` produces their gradients (`shoal.comms.fusion.gradient_order`
+    of `pretraining_loss` produces their gradients (`shoal.comms.gradient_order`
     on shapes only)."""
     return gradient_order(
         pretraining_loss(config), param_shapes(config), batch_shapes(config, **batch_kwargs)

@@ -1,0 +1,203 @@
+"""The command line of ``shoal-run``: its parser, the bundled configs its CONFIG argument
+may name, and the checks of its arguments before anything trains (the worker count
+against the launch, the output folder, devices per worker, a launcher for
+``--backend mpi|jax``).
+
+`shoal.experiments.runner.cli` runs what they ask for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from shoal.experiments import config as config_module
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.overrides import load_file
+
+CONFIGS = Path(config_module.__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """The names of the bundled configs (``experiments/configs/*.py``), usable as the
+    CONFIG argument in place of their path."""
+    return sorted(p.stem for p in CONFIGS.glob("*.py") if not p.name.startswith("_"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shoal-run",
+        description="Train every algorithm of a config and write runs/<name>/ "
+        "(metrics.jsonl, metrics.csv, loss plots, summary.md).",
+        epilog=f"bundled configs: {', '.join(bundled_configs())}",
+    )
+    p.add_argument(
+        "config",
+        help="a config file (a .py path) or the name of a bundled config: "
+        + ", ".join(bundled_configs()),
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="override config fields, e.g. --set steps=500 algorithms=ssgd,gtc",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="number of workers (with --backend mpi: the MPI world size; jax: the devices "
+        "over --devices-per-worker)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("sim", "mpi", "jax"),
+        default="sim",
+        help="sim: N workers in this process (vmap); mpi: one worker per rank under mpiexec; "
+        "jax: one worker per device (or per --devices-per-worker devices) of a "
+        "jax.distributed job under mpiexec (shard_map)",
+    )
+    p.add_argument(
+        "--devices-per-worker",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --backend jax: each worker spans K consecutive devices (a mesh "
+        "workers x fsdp): its parameters and optimizer state are sharded over them and "
+        "its batch split among them; the workers are the devices / K",
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        metavar="S",
+        help="with --backend mpi: the last S ranks are dedicated parameter servers for "
+        "bfb (mpiexec -n WORKERS+S); the other algorithms ignore them",
+    )
+    p.add_argument(
+        "--server-timeout",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="a parameter server that hears nothing from the workers this long aborts the job",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default: runs/<config name>); one that is not empty needs "
+        "--resume or --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an output folder that already holds results, replacing them",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints in <out>/checkpoints/: finished algorithms are "
+        "skipped, the interrupted one continues exactly where it stopped",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="STEPS",
+        help="train at most STEPS steps in this invocation (all algorithms together), save a "
+        "checkpoint and exit without a report; continue with --resume",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def resolve_workers(
+    backend: str, configured: int, requested: int | None, world: int, devices_per_worker: int = 1
+) -> int:
+    """The number of workers: ``--workers`` (or the config) for ``sim``; the world size for
+    ``mpi`` and ``jax`` (there the devices over ``devices_per_worker``), where an explicit
+    request that disagrees is an error."""
+    if backend == "sim":
+        return configured if requested is None else requested
+    if requested is not None and requested != world:
+        if backend == "jax":
+            raise ConfigError(
+                f"--workers {requested} disagrees with the {world} workers of this job "
+                f"({world * devices_per_worker} devices, --devices-per-worker "
+                f"{devices_per_worker}): change the devices or --devices-per-worker, or drop "
+                f"--workers"
+            )
+        raise ConfigError(
+            f"--workers {requested} disagrees with the MPI world size {world}: "
+            f"launch with `mpiexec -n {requested}` or drop --workers"
+        )
+    return world
+
+
+def _load(spec: str):
+    """`load_file`, whose "not found" error also lists the bundled configs."""
+    names = bundled_configs()
+    if not Path(spec).is_file() and spec not in names:
+        raise ConfigError(
+            f"config file not found: {spec} (give a path, or a bundled config: {', '.join(names)})"
+        )
+    return load_file(spec)
+
+
+def output_problem(out: Path, resume: bool, overwrite: bool, can_resume: bool = True) -> str | None:
+    """Why the run must not write into ``out`` (None: it may): a folder that is not empty
+    holds an earlier run's results, which only ``--resume`` (continue them) or
+    ``--overwrite`` (replace them) may touch."""
+    if out.exists() and not out.is_dir():
+        return f"output folder {out} is a file, not a folder: choose another --out"
+    if overwrite or (resume and can_resume) or not out.is_dir() or not any(out.iterdir()):
+        return None
+    how = "--resume to continue that run, " if can_resume else ""
+    return (
+        f"output folder {out} is not empty (it may hold an earlier run's results): pass "
+        f"--overwrite to replace them, {how}or --out to write elsewhere"
+    )
+
+
+def check_devices_per_worker(cfg: Config, k: int) -> None:
+    """Raise `ConfigError` unless workers of ``k`` devices can train ``cfg``: the batch
+    must split evenly over a worker's devices."""
+    if cfg.batch_size % k:
+        raise ConfigError(
+            f"batch_size = {cfg.batch_size} per worker must be a multiple of "
+            f"--devices-per-worker {k}: each device takes an equal share of its worker's batch"
+        )
+
+
+def _malloc_default(argv: list[str]) -> str:
+    """``"keep"`` for one worker per process (``--backend mpi|jax``), else ``"system"``:
+    the `SHOAL_MALLOC` default (see `shoal.experiments.runner.malloc`)."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--backend", default="sim")
+    backend = peek.parse_known_args(argv)[0].backend
+    return "keep" if backend in ("mpi", "jax") else "system"
+
+
+def _mpi_world_size() -> int:
+    from mpi4py import MPI  # initialises MPI, as the MPI backend would
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def _alone(backend: str, found: str, command: str) -> str:
+    """The error for ``--backend mpi|jax`` started without a launcher: one worker, no
+    communication, nothing measured."""
+    words, sim = shlex.split(command), []
+    while words:  # the same command without --backend and --servers (sim has neither)
+        w = words.pop(0)
+        if w in ("--backend", "--servers"):
+            words[:1] = []
+        elif not w.startswith(("--backend=", "--servers=")):
+            sim.append(w)
+    sim = shlex.join(sim)
+    return (
+        f"--backend {backend} found {found}: that is one worker that communicates nothing. "
+        f"Start one process per worker, e.g. `mpiexec -n 4 {command}`, or simulate the "
+        f"workers in this process: `{sim} --workers 4`"
+    )
