@@ -1,30 +1,27 @@
-"""Experiment configs: the typed dataclass `Config`, its checks, and the ``--set``
-spelling of its fields (`flatten`).
+"""Experiment configs: the typed dataclass `Config` and its checks.
 
-A config file under ``experiments/configs/`` defines ``get_config()`` returning a
-`Config` (or a subclass with extra fields); `shoal.experiments.overrides` loads it and
-applies ``--set key=value`` overrides.
+`Config` is three field groups: `RunFields` (below: workers, schedule, checkpoints,
+non-finite policy, logs), `shoal.experiments.fields.TaskFields` and
+`shoal.experiments.fields.HyperParameters`; each checks its own fields. A config file
+under ``experiments/configs/`` defines ``get_config()`` returning a `Config` (or a
+subclass with extra fields); `shoal.experiments.overrides` loads it and applies ``--set
+key=value`` overrides.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, Literal
+from typing import Literal
 
+from shoal.experiments.fields import ConfigError, HyperParameters, TaskFields, check_field
 
-class ConfigError(ValueError):
-    """A config that cannot be loaded, an unknown key, or a value of the wrong type."""
+__all__ = ["Config", "ConfigError", "HyperParameters", "RunFields", "TaskFields"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """One experiment: a task, the algorithms to compare on it, and how to train them.
-
-    Every algorithm in ``algorithms`` trains from the same initial parameters on the
-    same batches. Algorithm hyper-parameters are plain typed fields read by the
-    builders in `shoal.experiments.algorithms`.
-    """
+class RunFields:
+    """The run itself: which algorithms, how many workers, how long, and what it writes."""
 
     name: str = "experiment"
     algorithms: tuple[str, ...] = ("ssgd",)
@@ -42,147 +39,11 @@ class Config:
     # at once; the update still runs on all workers together. Must divide workers.
     grad_chunk: int = 0
 
-    # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
-    # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
-    # acoustic modelling (`shoal.experiments.tasks.acoustic`), or "lm", a byte-level transformer
-    # language model on the Python standard library's source (`shoal.experiments.tasks.lm`), or
-    # "images", a CNN on generated 16x16 glyph images (`shoal.experiments.tasks.images`; cnn:
-    # "small", two conv stages then dense layers of widths `hidden`, or "even", the same
-    # network with its hidden layer stored as 16 column blocks: no leaf above 10%).
-    task: Literal["mixture", "hmm", "lm", "images"] = "mixture"
-    # Classes (mixture) or hidden states (hmm), and the feature dimension.
-    num_classes: int = 10
-    num_features: int = 32
-    # Gaussian components per class (mixture only), and the scale of the class or state
-    # means relative to the unit noise (smaller is harder; 2 components at 0.6 give a
-    # Bayes accuracy near 89%).
-    components: int = 2
-    class_sep: float = 0.6
-    # Points (mixture), sequences (hmm) or byte windows (lm).
-    train_size: int = 8192
-    test_size: int = 2048
-    # Hidden layer widths: MLP layers (mixture) or stacked LSTM layers (hmm).
-    hidden: tuple[int, ...] = (64, 64)
-    # Frames per sequence (hmm) or bytes per example (lm); hmm only: the probability of
-    # staying in a state (mean duration 1 / (1 - p) frames), and how many other states each
-    # state can move to.
-    seq_len: int = 32
-    hmm_self_loop: float = 0.8
-    hmm_successors: int = 4
-    # lm only: transformer width, blocks and attention heads (heads must divide width).
-    lm_width: int = 64
-    lm_layers: int = 2
-    lm_heads: int = 4
-    cnn: Literal["small", "even"] = "small"
-
-    # Local optimizer shared by the algorithms (SGD with heavy-ball momentum).
-    learning_rate: float = 0.05
-    momentum: float = 0.9
-
-    # LAMB and 1-bit LAMB (`shoal.optim.onebit_lamb`), full optimizers on the workers'
-    # local gradients: peak learning rate, moment decays, decoupled weight decay, and
-    # the schedule: linear warm-up over lamb_lr_warmup * steps, then constant or decay
-    # (cosine or linear) to 0 after the last step. 1-bit LAMB's warm-up stage (dense
-    # all-reduce) lasts onebit_freeze_step steps, or round(onebit_freeze_fraction * steps)
-    # when that is None; "lamb" is the warm-up stage for every step.
-    lamb_learning_rate: float = 0.02
-    lamb_b1: float = 0.9
-    lamb_b2: float = 0.999
-    weight_decay: float = 0.0
-    lamb_lr_warmup: float = 0.0
-    lamb_lr_decay: Literal["constant", "cosine", "linear"] = "constant"
-    onebit_freeze_fraction: float = 0.15
-    onebit_freeze_step: int | None = None
-
-    # GTC (`shoal.optim.gtc`): threshold tau, and words per worker per step as a
-    # fraction of the parameters.
-    gtc_threshold: float = 0.1
-    gtc_capacity: float = 0.08
-
-    # BMUF (`shoal.optim.bmuf`) and two-tier BMUF_GTC (`shoal.optim.bmuf_gtc`, which also
-    # reads gtc_threshold and gtc_capacity): local steps per block, block learning rate
-    # zeta, block momentum eta (None: eq. 5 with C = 1, eta = 1 - zeta / M for the M
-    # models averaged: M = workers for bmuf, workers / group_size for bmuf_gtc), Nesterov
-    # block momentum and its variant, S-SGD warm-up steps (bmuf only), and whether the
-    # local optimizer's momentum restarts after every BMUF step.
-    block_size: int = 10
-    block_lr: float = 1.0
-    block_momentum: float | None = None
-    nesterov: bool = True
-    nbm: Literal["seed", "chen_huo"] = "seed"
-    warmup_steps: int = 0
-    reset_inner_state: bool = True
-    # BMUF_GTC: workers per group P (consecutive workers; must divide workers).
-    group_size: int = 2
-
-    # DiLoCo (`shoal.optim.diloco`): updates per round (the outer step runs every
-    # diloco_sync_every updates; steps must be a multiple of it, so that the last step is
-    # an outer step), the outer Nesterov SGD's learning rate and momentum (the paper's 0.7
-    # and 0.9), and the inner optimizer: "adamw" (the paper's; learning rate
-    # diloco_inner_lr, decoupled weight decay weight_decay) or "sgd" (the local optimizer
-    # of the other algorithms: learning_rate, momentum). Its state is never reset.
-    diloco_sync_every: int = 10
-    diloco_outer_lr: float = 0.7
-    diloco_outer_momentum: float = 0.9
-    diloco_inner: Literal["adamw", "sgd"] = "adamw"
-    diloco_inner_lr: float = 1e-3
-    # The exchange of DiLoCo's outer gradient (`diloco`, `streaming_diloco`): "float32"
-    # (an all-reduce), "int8" / "fp8" / "fp4" (`shoal.comms.Quantized`, blocks of 128,
-    # error feedback) or "topk" (`shoal.comms.TopK` with topk_fraction, topk_chunk_size
-    # and topk_value_bits: SparseLoCo's exchange).
-    diloco_exchange: Literal["float32", "int8", "fp8", "fp4", "topk"] = "float32"
-    # Streaming DiLoCo (`shoal.optim.streaming_diloco`, with the diloco_* fields above):
-    # fragments syncing in turn, the steps an outer update waits before it is merged
-    # (overlap tau), and the merge's weight on the local model (mix).
-    streaming_fragments: int = 4
-    streaming_overlap: int = 0
-    streaming_mix: float = 0.5
-
-    # Top-k with error feedback (`shoal.optim.topk`, then `local_sgd`; also DiLoCo's "topk"
-    # exchange): the share of each chunk of topk_chunk_size values sent, and the bits of
-    # each sent value (0: float32).
-    topk_fraction: float = 0.01
-    topk_chunk_size: int = 64
-    topk_value_bits: Literal[0, 2, 4, 8] = 0
-    # PowerSGD (`shoal.optim.powersgd`, then `local_sgd`): rank and plain all-reduce steps.
-    powersgd_rank: int = 4
-    powersgd_start_step: int = 0
-    # DeMo (`shoal.optim.demo`, then SGD at demo_lr without momentum): momentum decay,
-    # DCT chunk size, coefficients sent per chunk, and sign of the update.
-    demo_momentum: float = 0.999
-    demo_chunk_size: int = 64
-    demo_topk: int = 32
-    demo_sign: bool = True
-    demo_lr: float = 1e-3
-
-    # Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`): bytes per buffer
-    # (0: automatic). Dedicated server ranks come from `shoal-run --servers S`.
-    bfb_buffer_bytes: int = 0
-
-    # KungFu (`shoal.optim`): partial gradient exchange fraction of the gradient bytes per
-    # step (pgx), peer model averaging strategy and staleness (peer), synchronous model
-    # averaging rate (sma), and the EMA of the gradient noise scale monitor.
-    pgx_fraction: float = 0.3
-    peer_strategy: Literal["round_robin", "random"] = "round_robin"
-    peer_staleness: int = 0
-    sma_alpha: float = 0.1
-    noise_ema: float = 0.9
     # Cluster projection (`shoal.costmodel`): when project_workers > 0, every run's
     # collectives are replayed for that many workers and timed on the preset cluster
     # project_cluster (its workers per node), plus one worker's compute time measured here.
     project_workers: int = 0
     project_cluster: str = "v100-nvlink-25gbps"
-
-    # Closed-loop adaptation (`shoal.experiments.runner.policies`, algorithm "adaptive"): every
-    # policy_every steps the policy may change the synchronisation; "adaptive" exchanges all
-    # gradients (monitoring the noise scale) until the median noise scale of the last
-    # policy_every steps exceeds noise_threshold, then a fraction adaptive_fraction (PGX).
-    # The policy is not consulted before step policy_after (early noise estimates swing).
-    policy_every: int = 10
-    policy_after: int = 0
-    noise_threshold: float = 1000.0
-    adaptive_fraction: float = 0.1
-    adaptive_sync: Literal["full", "partial"] = "full"
 
     # Checkpoints (`shoal.experiments.runner.checkpoint`): every checkpoint_every steps (0: none
     # periodically; a run that checkpoints also saves when it stops), resumed with --resume.
@@ -202,96 +63,37 @@ class Config:
     # optional extra: pip install 'shoal[tensorboard]').
     log: Literal["none", "tensorboard"] = "none"
 
-    def __post_init__(self):
-        # The fields of the run itself are checked here; an algorithm's hyper-parameters
-        # are checked by its transformation, when `algorithms.resolve` makes it (one source
-        # of truth), except the knobs of optimizers it chains (learning rates, DiLoCo's
-        # outer step), which no transformation sees whole.
-        # Config files may write lists; keep the value hashable and as annotated.
-        for f in ("algorithms", "hidden"):
-            object.__setattr__(self, f, tuple(getattr(self, f)))
-        _check(self.name and "/" not in self.name, "name", "a non-empty str without '/'")
-        _check(len(self.algorithms) > 0, "algorithms", "at least one algorithm")
+    def check_run(self) -> None:
+        """`ConfigError` for a run field out of range."""
+        check_field(self.name and "/" not in self.name, "name", "a non-empty str without '/'")
+        check_field(len(self.algorithms) > 0, "algorithms", "at least one algorithm")
         dupes = sorted({a for a in self.algorithms if self.algorithms.count(a) > 1})
-        _check(not dupes, "algorithms", f"distinct names (repeated: {', '.join(dupes)})")
-        for f in ("workers", "steps", "batch_size", "eval_every", "num_features", "components",
-                  "train_size", "test_size", "seq_len", "hmm_successors", "block_size",
-                  "group_size", "lm_width", "lm_layers", "lm_heads"):  # fmt: skip
-            _check(getattr(self, f) >= 1, f, "an int >= 1")
-        _check(self.num_classes >= 2, "num_classes", "an int >= 2")
-        _check(self.grad_chunk >= 0, "grad_chunk", "an int >= 0 (0: all workers at once)")
-        _check(0 < self.adaptive_fraction <= 1, "adaptive_fraction", "a float in (0, 1]")
-        _check(self.policy_every >= 1, "policy_every", "an int >= 1")
-        _check(self.policy_after >= 0, "policy_after", "an int >= 0")
-        _check(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
-        _check(self.log in ("none", "tensorboard"), "log", '"none" or "tensorboard"')
+        check_field(not dupes, "algorithms", f"distinct names (repeated: {', '.join(dupes)})")
+        for f in ("workers", "steps", "batch_size", "eval_every"):
+            check_field(getattr(self, f) >= 1, f, "an int >= 1")
+        check_field(self.grad_chunk >= 0, "grad_chunk", "an int >= 0 (0: all workers at once)")
+        check_field(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
+        check_field(self.log in ("none", "tensorboard"), "log", '"none" or "tensorboard"')
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
             # Checked here, not when the run's outputs are written: before training.
             raise ConfigError(
                 "config field 'log' = 'tensorboard' needs the tensorboardX package: "
                 "pip install 'shoal[tensorboard]' (or pip install tensorboardX)"
             )
-        _check(
+        check_field(
             self.inject_nonfinite == "" or self.injection() is not None,
             "inject_nonfinite",
             f'"STEP:WORKER" with STEP >= 1 and 0 <= WORKER < workers = {self.workers}, or ""',
         )
-        _check(self.project_workers >= 0, "project_workers", "an int >= 0 (0: no projection)")
+        check_field(self.project_workers >= 0, "project_workers", "an int >= 0 (0: no projection)")
         from shoal.costmodel import PRESETS
 
-        _check(self.project_cluster in PRESETS, "project_cluster", f"one of {sorted(PRESETS)}")
+        check_field(self.project_cluster in PRESETS, "project_cluster", f"one of {sorted(PRESETS)}")
         per_node = PRESETS[self.project_cluster]["workers_per_node"]
-        _check(
+        check_field(
             self.project_workers % per_node == 0,
             "project_workers",
             f"a multiple of the {per_node} workers per node of {self.project_cluster!r}",
-        )
-        _check(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
-        _check(self.class_sep > 0, "class_sep", "a float > 0")
-        _check(self.learning_rate > 0, "learning_rate", "a float > 0")
-        _check(0 <= self.momentum < 1, "momentum", "a float in [0, 1)")
-        _check(
-            self.lm_width % self.lm_heads == 0,
-            "lm_heads",
-            f"a divisor of lm_width = {self.lm_width}",
-        )
-        _check(self.lamb_learning_rate > 0, "lamb_learning_rate", "a float > 0")
-        # Also AdamW's (ssgd_adamw, DiLoCo's inner step), which optax does not check.
-        _check(self.weight_decay >= 0, "weight_decay", "a float >= 0")
-        _check(0 <= self.lamb_lr_warmup < 1, "lamb_lr_warmup", "a float in [0, 1)")
-        _check(0 < self.onebit_freeze_fraction < 1, "onebit_freeze_fraction", "a float in (0, 1)")
-        _check(
-            self.onebit_freeze_step is None or self.onebit_freeze_step >= 1,
-            "onebit_freeze_step",
-            "None (from onebit_freeze_fraction) or an int >= 1",
-        )
-        if self.task == "hmm":
-            _check(
-                self.hmm_successors < self.num_classes,
-                "hmm_successors",
-                f"less than num_classes = {self.num_classes} (the successors are other states)",
-            )
-        _check(0 <= self.hmm_self_loop < 1, "hmm_self_loop", "a float in [0, 1)")
-        _check(self.block_lr > 0, "block_lr", "a float > 0")
-        _check(self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
-        _check(self.diloco_sync_every >= 1, "diloco_sync_every", "an int >= 1")
-        _check(0 < self.diloco_outer_lr < float("inf"), "diloco_outer_lr", "a finite float > 0")
-        _check(0 <= self.diloco_outer_momentum < 1, "diloco_outer_momentum", "a float in [0, 1)")
-        _check(self.diloco_inner in ("adamw", "sgd"), "diloco_inner", '"adamw" or "sgd"')
-        _check(self.diloco_inner_lr > 0, "diloco_inner_lr", "a float > 0")
-        exchanges = ("float32", "int8", "fp8", "fp4", "topk")
-        _check(self.diloco_exchange in exchanges, "diloco_exchange", f"one of {exchanges}")
-        _check(
-            0 <= self.streaming_overlap < self.diloco_sync_every,
-            "streaming_overlap",
-            f"an int in [0, diloco_sync_every = {self.diloco_sync_every})",
-        )
-        _check(self.demo_lr > 0, "demo_lr", "a float > 0")
-        _check(
-            self.workers * self.batch_size <= self.train_size,
-            "batch_size",
-            f"at most train_size / workers = {self.train_size // self.workers} "
-            f"(one global batch must fit in the training set)",
         )
 
     def injection(self) -> tuple[int, int] | None:
@@ -303,6 +105,36 @@ class Config:
         return (step, worker) if step >= 1 and worker < self.workers else None
 
 
-def _check(ok: Any, field: str, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"config field {field!r} must be {allowed}")
+@dataclasses.dataclass(frozen=True)
+class Config(HyperParameters, TaskFields, RunFields):
+    """One experiment: a task, the algorithms to compare on it, and how to train them.
+
+    Every algorithm in ``algorithms`` trains from the same initial parameters on the
+    same batches. Its fields, all flat ``--set`` keys, come in three groups, each with
+    its checks: `RunFields`, `TaskFields` and `HyperParameters` (read by the builders in
+    `shoal.experiments.builders`).
+
+    Example:
+      >>> from shoal.experiments.config import Config
+      >>> cfg = Config(algorithms=("ssgd", "gtc"), workers=4, gtc_threshold=0.05)
+      >>> cfg.steps, cfg.task
+      (200, 'mixture')
+      >>> Config(momentum=1.0)
+      Traceback (most recent call last):
+      ...
+      shoal.experiments.fields.ConfigError: config field 'momentum' must be a float in [0, 1)
+    """
+
+    def __post_init__(self):
+        # Config files may write lists; keep the value hashable and as annotated.
+        for f in ("algorithms", "hidden"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+        self.check_run()
+        self.check_task()
+        self.check_hyper()
+        check_field(
+            self.workers * self.batch_size <= self.train_size,
+            "batch_size",
+            f"at most train_size / workers = {self.train_size // self.workers} "
+            f"(one global batch must fit in the training set)",
+        )

@@ -125,3 +125,11 @@ def test_comms_kernels_docstring_example_runs(module_name, name):
     assert result.failed == 0, f"{name}: {result.failed} doctest example(s) failed"
     if name not in MPI_ONLY:
         assert result.attempted > 0
+
+
+def test_config_docstring_example_runs():
+    # The Config example is what a newcomer reads first in help(Config).
+    from shoal.experiments import config
+
+    result = doctest.testmod(config, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted >= 3
