@@ -19,9 +19,9 @@ gets a `BuildContext` (the task, the dedicated parameter servers). To add an alg
 and give `shoal.experiments.fields.HyperParameters` (or the config file's subclass of
 `Config`) typed fields for its hyper-parameters, so that ``--set gtc_threshold=0.01``
 works. The transformation checks their values itself (`resolve` makes it once on
-stand-in workers, so a bad value stops the run before training, named). ``register(...,
-check=f)`` adds ``f(cfg)``, which raises `ConfigError` for settings the algorithm cannot
-run as a whole (BMUF's last step must end a block). ``register(..., fields=(...))``
+stand-in workers, so a bad value stops the run before training, named).
+``register(..., check=f)`` adds ``f(cfg)``, which raises `ConfigError` for settings the
+algorithm cannot run as a whole (BMUF's last step must end a block). ``register(..., fields=(...))``
 declares the `Config` fields that are the algorithm's own hyper-parameters (those it
 reads that no other part of a run does): ``--resume`` then ignores changes to other
 algorithms' fields, so a changed ``gtc_threshold`` still resumes ``ssgd`` (see
