@@ -151,3 +151,13 @@ def test_cli_refuses_grad_chunk_with_mpi(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "shoal-run: error: grad_chunk = 2 applies to simulated workers only" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_study_refuses_grad_chunk_before_training(capsys, tmp_path):
+    """A study's runs are checked (and resolved) once, all before the first one trains."""
+    out = tmp_path / "study"
+    assert main(["acoustic_study", "--set", "grad_chunk=3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shoal-run: error:") and len(err.splitlines()) == 1, err
+    assert "grad_chunk = 3" in err, err
+    assert not out.exists()

@@ -84,7 +84,7 @@ def _setup(args, backend, loaded):
 _STUDY_FIELDS = ("workers", "steps", "eval_every", "algorithms")
 
 
-def _setup_study(args, study: Study) -> Study:
+def _setup_study(args, study: Study) -> tuple[Study, list]:
     if args.backend != "sim" or args.workers is not None:
         raise ConfigError(
             "a study runs its own worker counts on simulated workers: drop --workers and "
@@ -97,23 +97,20 @@ def _setup_study(args, study: Study) -> Study:
             f"a study sets {', '.join(_STUDY_FIELDS)} per run: cannot --set {fixed[0]}"
         )
     study = dataclasses.replace(study, config=apply_overrides(study.config, sets))
-    for row in study.runs():  # every run's config, before any training
-        run_cfg, _ = study.run_entry(row)
-        check_grad_chunk(run_cfg.grad_chunk, "sim", run_cfg.workers)
-    return study
+    return study, study.resolve_runs()  # every run checked, before any training
 
 
-def _main_study(args, study: Study, command: str) -> int:
+def _main_study(args, study: Study, resolved: list, command: str) -> int:
     cfg = study.config
-    runs = study.runs()
-    print(f"{cfg.name}: study of {len(runs)} runs, workers "
-          f"{', '.join(map(str, sorted({r.workers for r in runs})))} (sim)")  # fmt: skip
+    workers = sorted({row.workers for row, _, _ in resolved})
+    print(f"{cfg.name}: study of {len(resolved)} runs, workers "
+          f"{', '.join(map(str, workers))} (sim)")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
     problem = output_problem(out, False, args.overwrite, can_resume=False)
     if problem:
         print(f"shoal-run: error: {problem}", file=sys.stderr)
         return 2
-    run_study(study, out, command=command, progress=not args.no_progress)
+    run_study(study, out, command=command, progress=not args.no_progress, resolved=resolved)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/ (summary.md, results.jsonl, metrics.jsonl)")
     return 0
@@ -218,7 +215,7 @@ def _main(args, argv, backend) -> int:
             what = "a study" if isinstance(loaded, Study) else "an analysis"
             raise ConfigError(f"--resume continues a config's runs; {what} has none to resume")
         if isinstance(loaded, Study):
-            study = _setup_study(args, loaded)
+            study, resolved = _setup_study(args, loaded)
         elif isinstance(loaded, Analysis):
             if args.overrides or args.workers is not None or args.backend != "sim":
                 raise ConfigError(
@@ -232,7 +229,7 @@ def _main(args, argv, backend) -> int:
             print(f"shoal-run: error: {e}", file=sys.stderr)
         return 2
     if isinstance(loaded, Study):
-        return _main_study(args, study, command)
+        return _main_study(args, study, resolved, command)
     if isinstance(loaded, Analysis):
         return _main_analysis(args, loaded)
     if backend is None:

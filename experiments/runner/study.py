@@ -26,7 +26,7 @@ from typing import Any
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner.backends import SimBackend
-from shoal.experiments.runner.train import train
+from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
 
 
@@ -118,32 +118,43 @@ class Study:
             raise ConfigError(f"{row.algorithm} on {_workers(row.workers)}: {e}") from None
         return run
 
+    def resolve_runs(self) -> list[tuple[Row, Config, algorithms.Entry]]:
+        """Every run (`runs`) with its config and resolved entry (`run_entry`): all of
+        them checked, before any training; what `run_study` takes."""
+        return [(row, *self.run_entry(row)) for row in self.runs()]
+
     def run_entry(self, row: Row) -> tuple[Config, algorithms.Entry]:
         """`run_config` and its one algorithm resolved (`algorithms.resolve`): what
         `run_study` trains; `ConfigError` for a run that cannot train."""
         run = self.run_config(row)
+        check_grad_chunk(run.grad_chunk, "sim", run.workers)
         return run, algorithms.resolve(row.algorithm, run)
 
 
 def run_study(
-    study: Study, out: Path, *, command: str, progress: bool = True
+    study: Study,
+    out: Path,
+    *,
+    command: str,
+    progress: bool = True,
+    resolved: list[tuple[Row, Config, algorithms.Entry]] | None = None,
 ) -> dict[tuple[int, str], dict[str, Any]]:
-    """Train every run of ``study`` (all configs are checked first) and write ``out``.
-    Returns the summary of every run by ``(workers, algorithm)``."""
-    rows = study.runs()
-    configs = [study.run_entry(r) for r in rows]
+    """Train every run of ``study`` and write ``out``; ``resolved``: its
+    `Study.resolve_runs` (made here when None: every config is checked before any
+    training). Returns the summary of every run by ``(workers, algorithm)``."""
+    resolved = study.resolve_runs() if resolved is None else resolved
     start = time.perf_counter()
     task = make_task(study.config)
     backends: dict[int, SimBackend] = {}
     summaries: dict[tuple[int, str], dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
-    for i, (row, (cfg, entry)) in enumerate(zip(rows, configs), 1):
+    for i, (row, cfg, entry) in enumerate(resolved, 1):
         backend = backends.setdefault(row.workers, SimBackend(row.workers))
         result = train(cfg, task, backend, entry, progress=progress)
         summaries[row.key] = {"workers": row.workers, **result.summary}
         records += [{"workers": row.workers, **rec} for rec in result.records]
         s = result.summary
-        print(f"[{i}/{len(rows)}] {row.algorithm} on {_workers(row.workers)}, {cfg.steps} "
+        print(f"[{i}/{len(resolved)}] {row.algorithm} on {_workers(row.workers)}, {cfg.steps} "
               f"steps: test error {s['test_error']:.2%}, {s['mb_sent']:.2f} MB sent/worker, "
               f"{s['wall_s']:.1f} s", flush=True)  # fmt: skip
     wall = time.perf_counter() - start
