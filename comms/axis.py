@@ -67,7 +67,8 @@ class AxisCollective:
     def __post_init__(self):
         if not isinstance(self.axis_name, str) or not self.axis_name:
             raise ValueError(f"axis_name must be a non-empty str, got {self.axis_name!r}")
-        check_size(self.size)
+        # Stored as a Python int even when given a NumPy one (the repr shows it).
+        object.__setattr__(self, "size", check_size(self.size))
 
     def _check_axis(self) -> None:
         # Called at trace time: a vmap over the wrong number of workers would otherwise
@@ -211,7 +212,7 @@ class AxisCollective:
         Returns:
           ``obj``.
         """
-        check_root(root, self.size)
+        root = check_root(root, self.size)
         return obj
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
@@ -228,7 +229,7 @@ class AxisCollective:
         Returns:
           a pytree like ``tree`` holding ``root``'s values on every worker.
         """
-        check_root(root, self.size)
+        root = check_root(root, self.size)
         self._check_axis()
         if self._simulated():  # worker root's row of the (free, unbatched) gather
             return jax.tree.map(lambda x: lax.all_gather(x, self.axis_name)[root], tree)

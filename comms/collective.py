@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.checks import check_int
+
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
@@ -106,15 +108,11 @@ def check_op(op: str) -> str:
 
 
 def check_size(size: Any) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be a positive int, got {size!r}")
-    return size
+    return check_int("size", size, 1)
 
 
 def check_root(root: Any, size: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
-        raise ValueError(f"root must be an int in [0, {size}), got {root!r}")
-    return root
+    return check_int("root", root, 0, size - 1)
 
 
 def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, int], ...]:

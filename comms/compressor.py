@@ -40,6 +40,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from shoal.checks import check_int
 from shoal.comms.collective import Collective, check_size
 from shoal.comms.wire import all_gather_bytes, all_reduce_bytes, all_to_all_bytes, tree_nbytes
 
@@ -49,9 +50,7 @@ PATTERNS = ("all_reduce", "two_phase", "all_gather")
 
 
 def check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    return n
+    return check_int("n", n, 1)
 
 
 def check_vector(x) -> jax.Array:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shoal.checks import check_int
+
 # Automatic buffer size: about this many buffers per iteration (the paper's 86684 KB buffer
 # is about 1/8 of BERT-large's 680 MB fp16 gradient), but no shard below MIN_SHARD_BYTES,
 # where per-message latency would dominate.
@@ -246,8 +248,7 @@ def plan_fusion(
       A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
       the Cloud", SC 2020, section III (balanced fusion buffers).
     """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    num_shards = check_int("num_shards", num_shards, 1)
     treedef, shapes, dtypes = _shapes(params_or_shapes)
     order = _check_order(order, len(shapes))
     dtype = _buffer_dtype(dtypes)
@@ -255,14 +256,13 @@ def plan_fusion(
     total = sum(sizes)
     if buffer_bytes is None:
         buffer_bytes = auto_buffer_bytes(total * dtype.itemsize, num_shards, dtype.itemsize)
-    if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int | np.integer):
-        raise ValueError(f"buffer_bytes must be an int or None, got {buffer_bytes!r}")
+    buffer_bytes = check_int("buffer_bytes", buffer_bytes, why=" or None")
     if buffer_bytes < dtype.itemsize:
         raise ValueError(
             f"buffer_bytes={buffer_bytes} is smaller than one element ({dtype.itemsize} bytes "
             f"of {dtype})"
         )
-    per_buffer = int(buffer_bytes) // dtype.itemsize
+    per_buffer = buffer_bytes // dtype.itemsize
 
     segments: list[list[Segment]] = []
     fill = per_buffer  # elements already in the open buffer; start by opening one
@@ -340,8 +340,7 @@ def atomic_placement(
       A. Thangakrishnan et al., "Herring: Rethinking the Parameter Server at Scale for
       the Cloud", SC 2020, section III.
     """
-    if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-        raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
+    num_servers = check_int("num_servers", num_servers, 1)
     _, shapes, dtypes = _shapes(params_or_shapes)
     order = _check_order(order, len(shapes))
     leaf_bytes = tuple(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))

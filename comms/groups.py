@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from shoal.checks import check_int
+
 
 def check_group_size(world_size: int, group_size: Any) -> int:
     """Return the number of groups; ``group_size`` must be a positive divisor of ``world_size``."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    group_size = check_int("group_size", group_size, 1)
     if world_size % group_size:
         raise ValueError(f"group_size={group_size} must divide the number of workers {world_size}")
     return world_size // group_size

@@ -149,7 +149,7 @@ class MPICollective:
         return _bit_move(lambda v: mpi4jax.alltoall(v, comm=self.comm), x)
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
-        check_root(root, self.size)
+        root = check_root(root, self.size)
         _, mpi4jax = _import_mpi()
         return jax.tree.map(
             lambda x: _bit_move(lambda v: mpi4jax.bcast(v, root, comm=self.comm), x), tree
@@ -183,7 +183,7 @@ class MPICollective:
 
     def host_broadcast(self, obj: Any, root: int = 0) -> Any:
         """Rank ``root``'s ``obj`` (pickled) on every rank: ``comm.bcast``."""
-        check_root(root, self.size)
+        root = check_root(root, self.size)
         jax.effects_barrier()
         return self.comm.bcast(obj, root=root)
 

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.checks import check_int
 from shoal.comms.collective import Collective
 from shoal.comms.compressor import Compressor, check_error, check_vector, two_phase_mean
 from shoal.kernels.quant import dequantize, quantize
@@ -92,7 +93,7 @@ class Quantized(Compressor):
     impl: str | None = None
 
     def __post_init__(self):
-        check_block(self.block, check_format(self.fmt))
+        object.__setattr__(self, "block", check_block(self.block, check_format(self.fmt)))
 
     def chunk_unit(self, size: int) -> int:
         return self.block
@@ -132,8 +133,7 @@ def quantized_allreduce_padded_size(n: int, size: int, block: int = DEFAULT_BLOC
       >>> quantized_allreduce_padded_size(1000, size=4, block=128)  # a multiple of 512
       1024
     """
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    block = check_int("block", block, 1)
     return Quantized("int8", block, error_feedback=False).padded_size(n, size)
 
 

@@ -61,7 +61,8 @@ class RecordingCollective:
     log: int = -1
 
     def __post_init__(self):
-        check_size(self.size)
+        # Stored as a Python int even when given a NumPy one (the repr shows it).
+        object.__setattr__(self, "size", check_size(self.size))
         if self.group not in ("world", "intra", "inter"):
             raise ValueError(f"group must be 'world', 'intra' or 'inter', got {self.group!r}")
 
@@ -92,7 +93,7 @@ class RecordingCollective:
         return jnp.broadcast_to(x[0], x.shape)  # row 0 of every (identical) worker
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
-        check_root(root, self.size)
+        root = check_root(root, self.size)
         self._emit("broadcast", tree_nbytes(tree))
         return tree
 
@@ -105,7 +106,7 @@ class RecordingCollective:
         return [obj] * self.size  # identical workers
 
     def host_broadcast(self, obj: Any, root: int = 0) -> Any:
-        check_root(root, self.size)
+        root = check_root(root, self.size)
         return obj
 
     def split(self, group_size: int) -> tuple[RecordingCollective, RecordingCollective]:

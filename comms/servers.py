@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from shoal.checks import check_int
 from shoal.comms.mpi import MPICollective, _import_mpi
 
 TAG_PLAN = 11
@@ -113,13 +114,13 @@ class ParameterServers:
         if comm is None:
             comm = MPI.COMM_WORLD.Clone()
         size = comm.Get_size()
-        if isinstance(num_servers, bool) or not isinstance(num_servers, int):
-            raise ValueError(f"num_servers must be an int, got {num_servers!r}")
-        if not 1 <= num_servers < size:
-            raise ValueError(
-                f"num_servers must be in [1, {size - 1}] for a communicator of {size} ranks "
-                f"(at least one worker), got {num_servers}"
-            )
+        num_servers = check_int(
+            "num_servers",
+            num_servers,
+            1,
+            size - 1,
+            why=f" for a communicator of {size} ranks (at least one worker)",
+        )
         rank = comm.Get_rank()
         is_server = rank >= size - num_servers
         sub = comm.Split(color=int(is_server), key=rank)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.checks import check_int
 from shoal.comms.compressor import Compressor
 
 __all__ = ["VALUE_BITS", "TopK"]
@@ -82,9 +83,9 @@ class TopK(Compressor):
         f = self.fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"fraction must be a number in (0, 1], got {f!r}")
-        c = self.chunk_size
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"chunk_size must be a positive int or None, got {c!r}")
+        if self.chunk_size is not None:
+            c = check_int("chunk_size", self.chunk_size, 1, why=" or None")
+            object.__setattr__(self, "chunk_size", c)
         if self.value_bits is not None and self.value_bits not in VALUE_BITS:
             raise ValueError(
                 f"value_bits must be None or one of {VALUE_BITS}, got {self.value_bits!r}"

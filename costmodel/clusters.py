@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shoal.costmodel.formulas import Link, check_count, check_real
+from shoal.checks import check_int
+from shoal.costmodel.formulas import Link, check_real
 
 # Clusters.
 
@@ -121,8 +122,8 @@ class Cluster:
     name: str = "custom"
 
     def __post_init__(self):
-        check_count("nodes", self.nodes)
-        check_count("workers_per_node", self.workers_per_node)
+        check_int("nodes", self.nodes, 1)
+        check_int("workers_per_node", self.workers_per_node, 1)
         check_real("intra_bandwidth", self.intra_bandwidth, positive=True)
         check_real("intra_latency", self.intra_latency)
         check_real("inter_bandwidth", self.inter_bandwidth, positive=True)

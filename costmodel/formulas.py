@@ -8,6 +8,8 @@ import math
 import numbers
 from typing import Any
 
+from shoal.checks import check_int
+
 KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "ppermute", "ps")
 GROUPS = ("world", "intra", "inter")
 ALL_REDUCE_ALGORITHMS = ("ring", "rabenseifner", "tree", "hierarchical")
@@ -34,16 +36,10 @@ def check_real(name: str, value: Any, *, positive: bool = False) -> float:
     return float(value)
 
 
-def check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def _check(n: Any, p: Any, alpha: Any, beta: Any, gamma: Any = 0.0):
     return (
         check_real("n", n),
-        check_count("p", p),
+        check_int("p", p, 1),
         check_real("alpha", alpha),
         check_real("beta", beta),
         check_real("gamma", gamma),
@@ -242,7 +238,7 @@ class Link:
 
     def shared(self, streams: int) -> Link:
         """This link when ``streams`` concurrent transfers split its bandwidth."""
-        return Link(self.latency, self.bandwidth / check_count("streams", streams))
+        return Link(self.latency, self.bandwidth / check_int("streams", streams, 1))
 
 
 def _intra_scatter_gather(n: float, g: int, intra: Link, gamma: float) -> float:
@@ -275,7 +271,7 @@ def hierarchical_all_reduce(
     steps) and reduction work. With one node it is the intra-node ring all-reduce.
     """
     n = check_real("n", n)
-    m, g = check_count("nodes", nodes), check_count("per_node", per_node)
+    m, g = check_int("nodes", nodes, 1), check_int("per_node", per_node, 1)
     gamma = check_real("gamma", gamma)
     ar = ring_all_reduce(n / g, m, inter.alpha, inter.shared(g).beta, gamma)
     return _intra_scatter_gather(n, g, intra, gamma) + ar
@@ -304,7 +300,7 @@ def hierarchical_ps(
     network in Herring's pipeline.
     """
     n = check_real("n", n)
-    m, g = check_count("nodes", nodes), check_count("per_node", per_node)
+    m, g = check_int("nodes", nodes, 1), check_int("per_node", per_node, 1)
     gamma = check_real("gamma", gamma)
     if pipelined:
         ps = ps_pipelined(n, m, inter.alpha, inter.beta, gamma, segment)

@@ -4,10 +4,10 @@ a step's compute and communication (`shoal.costmodel`'s docstring has the model)
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable
 from typing import Any
 
+from shoal.checks import check_int
 from shoal.costmodel.clusters import Cluster
 from shoal.costmodel.formulas import (
     ALL_REDUCE_ALGORITHMS,
@@ -18,7 +18,6 @@ from shoal.costmodel.formulas import (
     all_gather,
     all_to_all,
     broadcast,
-    check_count,
     check_real,
     hierarchical_all_reduce,
     hierarchical_ps,
@@ -61,9 +60,7 @@ class Event:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
-        nb = self.nbytes
-        if isinstance(nb, bool) or not isinstance(nb, numbers.Integral) or nb < 0:
-            raise ValueError(f"nbytes must be an int >= 0, got {nb!r}")
+        check_int("nbytes", self.nbytes, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +102,7 @@ def _check_algorithms(all_reduce: Any, ps: Any) -> None:
 
 def _group_size(cluster: Cluster, group_size: Any) -> int:
     g = cluster.workers_per_node if group_size is None else group_size
-    g = check_count("group_size", g)
+    g = check_int("group_size", g, 1)
     if cluster.workers % g:
         raise ValueError(f"group_size={g} must divide the cluster's {cluster.workers} workers")
     return g

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shoal.checks import check_int
+
 
 @functools.cache
 def dct_matrix(n: int) -> np.ndarray:
@@ -43,8 +45,7 @@ def dct_matrix(n: int) -> np.ndarray:
       >>> print((dct_matrix(4) @ [1.0, 1.0, 1.0, 1.0]).round(6) + 0.0)  # only DC
       [2. 0. 0. 0.]
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    n = check_int("n", n, 1)
     k = np.arange(n, dtype=np.float64)[:, None]
     j = np.arange(n, dtype=np.float64)[None, :]
     d = np.cos(np.pi * (2 * j + 1) * k / (2 * n)) * np.sqrt(2.0 / n)

@@ -91,7 +91,7 @@ def quantize(
     """
     use_pallas = dispatch.use_pallas(impl)
     check_format(fmt)
-    check_block(block, fmt)
+    block = check_block(block, fmt)
     values = dispatch.typed_array(values, jnp.float32, "values")
     if values.ndim < 1:
         raise ValueError(f"values must have shape [..., n], got {values.shape}")
@@ -143,7 +143,7 @@ def dequantize(
     """
     use_pallas = dispatch.use_pallas(impl)
     check_format(fmt)
-    check_block(block, fmt)
+    block = check_block(block, fmt)
     codes = dispatch.typed_array(codes, jnp.uint8, "codes")
     scales = dispatch.typed_array(scales, jnp.float32, "scales")
     if scales.ndim < 1:

@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shoal.checks import check_int
+
 __all__ = [
     "BITS",
     "FORMATS",
@@ -75,8 +77,7 @@ def check_format(fmt) -> str:
 
 def check_block(block, fmt: str) -> int:
     """A positive int; even for fp4 (a block is whole bytes of codes)."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    block = check_int("block", block, 1)
     if BITS[fmt] == 4 and block % 2:
         raise ValueError(f"block must be even for fmt='fp4' (two codes per byte), got {block}")
     return block
@@ -103,7 +104,7 @@ def quantize_reference(values: jax.Array, fmt: str, block: int) -> tuple[jax.Arr
       float32[..., n / block].
     """
     check_format(fmt)
-    check_block(block, fmt)
+    block = check_block(block, fmt)
     *lead, n = values.shape
     if n % block:
         raise ValueError(f"the last axis ({n}) must be a multiple of block={block}")
@@ -130,7 +131,7 @@ def quantize_reference(values: jax.Array, fmt: str, block: int) -> tuple[jax.Arr
 def dequantize_reference(codes: jax.Array, scales: jax.Array, fmt: str, block: int) -> jax.Array:
     """float32[..., n]: ``code value * scale`` of each value (``n = scales.shape[-1] * block``)."""
     check_format(fmt)
-    check_block(block, fmt)
+    block = check_block(block, fmt)
     *lead, nblocks = scales.shape
     n = nblocks * block
     if codes.shape != (*lead, n * BITS[fmt] // 8) or codes.dtype != jnp.uint8:

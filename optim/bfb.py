@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, sum_rows
 from shoal.comms.fusion import FusionPlan, plan_fusion
@@ -97,12 +98,12 @@ def bfb_allreduce(
       for the Cloud", SC 2020, section III.
     """
     check_collective(collective)
-    if buffer_bytes is not None and (
-        isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 1
-    ):
-        raise ValueError(
-            f"buffer_bytes must be a positive int or None (static: the layout is fixed at "
-            f"trace time), got {buffer_bytes!r}"
+    if buffer_bytes is not None:
+        buffer_bytes = check_int(
+            "buffer_bytes",
+            buffer_bytes,
+            1,
+            why=" or None (static: the layout is fixed at trace time)",
         )
     if intra is not None:
         check_collective(intra)

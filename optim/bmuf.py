@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
@@ -33,7 +34,6 @@ from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    check_int,
     check_positive,
     checked,
     concrete_float,

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
@@ -31,7 +32,6 @@ from shoal.kernels.dct_reference import chunk_dct, chunk_idct
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    check_int,
     checked,
     concrete_float,
 )

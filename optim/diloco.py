@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
@@ -32,7 +33,6 @@ from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    check_int,
     checked,
     require_params,
 )

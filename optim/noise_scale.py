@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_sums
@@ -62,21 +63,13 @@ class NoiseScaleState(NamedTuple):
 def _check_batch_size(value: Any) -> None:
     if isinstance(value, jax.core.Tracer):  # fed in by inject_hyperparams inside jit
         return
-    if isinstance(value, (bool, np.bool_)):
-        ok = False
-    elif isinstance(value, (int, np.integer)):
-        ok = value > 0
-    else:
-        # A concrete integer array of shape () (e.g. from optax.inject_hyperparams).
-        arr = np.asarray(value) if isinstance(value, (np.ndarray, jax.Array)) else None
-        ok = (
-            arr is not None
-            and arr.shape == ()
-            and np.issubdtype(arr.dtype, np.integer)
-            and int(arr) > 0
-        )
-    if not ok:
-        raise ValueError(f"local_batch_size must be a positive int, got {value!r}")
+    if isinstance(value, (np.ndarray, jax.Array)):
+        # A concrete integer array of shape () (e.g. from optax.inject_hyperparams) counts
+        # as its int; any other array is refused below, as it is no int.
+        arr = np.asarray(value)
+        if arr.shape == () and np.issubdtype(arr.dtype, np.integer):
+            value = arr[()]
+    check_int("local_batch_size", value, 1)
 
 
 def _sq_norm(tree: Any, collective: Any) -> jax.Array:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.compressed import OneBit
@@ -44,7 +45,6 @@ from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    check_int,
     checked,
     concrete_float,
     require_params,

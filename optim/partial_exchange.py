@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
@@ -308,11 +309,7 @@ def _segments(
         )
     segments = {}
     for step, fraction in schedule.items():
-        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
-            raise ValueError(f"schedule keys must be int steps >= 0, got {step!r}")
-        if step < 0:
-            raise ValueError(f"schedule keys must be int steps >= 0, got {step!r}")
-        step = int(step)
+        step = check_int("schedule key", step, 0, why=" (a step)")
         segments[step] = (step, _check_fraction(f"schedule[{step}]", fraction), f"schedule[{step}]")
     if 0 not in segments:
         segments[0] = (0, budget_fraction, "budget_fraction")

@@ -27,13 +27,13 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    check_int,
     checked,
     require_params,
 )

@@ -29,11 +29,12 @@ import numpy as np
 import optax
 from jax import lax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import run_if
-from shoal.optim.validation import check_collective, check_floating_leaves, check_int, checked
+from shoal.optim.validation import check_collective, check_floating_leaves, checked
 
 
 class PowerSGDState(NamedTuple):

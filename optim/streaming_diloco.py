@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
@@ -112,7 +113,7 @@ def split_fragments(params: Any, num_fragments: int) -> tuple[tuple[int, ...], .
     """
     sizes = [tree_nbytes(x) for x in jax.tree.leaves(params)]
     n = len(sizes)
-    _check_num_fragments(num_fragments)
+    num_fragments = check_int("num_fragments", num_fragments, 1)
     if num_fragments > n:
         raise ValueError(
             f"num_fragments must be <= the number of parameter leaves ({n}), got "
@@ -236,18 +237,14 @@ def streaming_diloco(
       Distributed Free Lunch", arXiv:2501.18512, 2025.
     """
     sync_every = check_outer_args(collective, inner, outer, sync_every, exchange)
-    _check_num_fragments(num_fragments)
-    num_fragments = int(num_fragments)
-    if (
-        isinstance(overlap, bool)
-        or not isinstance(overlap, (int, np.integer))
-        or not 0 <= overlap < sync_every
-    ):
-        raise ValueError(
-            f"overlap must be an int in [0, sync_every) = [0, {sync_every}) so that a "
-            f"fragment's merge comes before its next sync, got {overlap!r}"
-        )
-    overlap = int(overlap)
+    num_fragments = check_int("num_fragments", num_fragments, 1)
+    overlap = check_int(
+        "overlap",
+        overlap,
+        0,
+        sync_every - 1,
+        why=" (< sync_every: a fragment's merge comes before its next sync)",
+    )
     if isinstance(mix, bool) or not isinstance(mix, (int, float, np.integer, np.floating)):
         raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
     if not 0.0 <= float(mix) <= 1.0:
@@ -405,12 +402,3 @@ def streaming_diloco(
         init_fn,
         checked("streaming_diloco", StreamingDiLoCoState, update_fn, lambda s: s.global_params),
     )
-
-
-def _check_num_fragments(num_fragments: Any) -> None:
-    if (
-        isinstance(num_fragments, bool)
-        or not isinstance(num_fragments, (int, np.integer))
-        or num_fragments < 1
-    ):
-        raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")

@@ -35,26 +35,6 @@ def concrete_float(value: Any) -> float | None:
         raise TypeError(f"expected a real number, got {value!r}") from e
 
 
-def check_int(
-    name: str, value: Any, low: int | None = None, high: int | None = None, why: str = ""
-) -> int:
-    """``value`` as a Python int if it is an integer (Python or NumPy, not a bool) in
-    ``[low, high]`` (None: unbounded); otherwise a ValueError naming ``name``, the allowed
-    range and ``why`` (a reason for the bound, e.g. where ``high`` comes from)."""
-    if low is None and high is None:
-        allowed = "an int"
-    elif high is None:
-        allowed = f"an int >= {low}"
-    elif low is None:
-        allowed = f"an int <= {high}"
-    else:
-        allowed = f"an int in [{low}, {high}]"
-    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if not is_int or (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}{why}, got {value!r}")
-    return int(value)
-
-
 def check_positive(name: str, value: Any) -> None:
     v = concrete_float(value)
     if v is not None and not (v > 0 and np.isfinite(v)):

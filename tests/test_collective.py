@@ -157,5 +157,5 @@ def test_axis_collective_wrong_axis_size():
         jax.vmap(lambda x: c.all_reduce(x), axis_name="workers")(jnp.ones((3, 2)))
     with pytest.raises(ValueError, match="outside a vmap"):
         c.rank()
-    with pytest.raises(ValueError, match="size must be a positive int"):
+    with pytest.raises(ValueError, match="size must be an int >= 1"):
         AxisCollective("workers", 0)

@@ -249,7 +249,7 @@ COLL4 = AxisCollective("workers", 4)
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(local_batch_size=0), "local_batch_size must be a positive int"),
+        (dict(local_batch_size=0), "local_batch_size must be an int >= 1"),
         (dict(local_batch_size=-2), "local_batch_size"),
         (dict(local_batch_size=2.5), "local_batch_size"),
         (dict(local_batch_size=8.0), "local_batch_size"),

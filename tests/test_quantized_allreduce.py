@@ -373,9 +373,9 @@ def test_wire_bytes_hand_computed(fmt, n, p, block):
     [
         ({"fmt": "int4"}, ValueError, "fmt must be one of"),
         ({"fmt": None}, ValueError, "fmt must be one of"),
-        ({"block": 0}, ValueError, "block must be a positive int"),
-        ({"block": 2.0}, ValueError, "block must be a positive int"),
-        ({"block": True}, ValueError, "block must be a positive int"),
+        ({"block": 0}, ValueError, "block must be an int >= 1"),
+        ({"block": 2.0}, ValueError, "block must be an int >= 1"),
+        ({"block": True}, ValueError, "block must be an int >= 1"),
         ({"fmt": "fp4", "block": 7}, ValueError, "block must be even for fmt='fp4'"),
         ({"x": np.ones(10, np.float64)}, TypeError, "x must be float32"),
         ({"x": np.ones((2, 5), np.float32)}, ValueError, "x must be a non-empty 1-D"),
@@ -406,11 +406,11 @@ def test_bad_input(kwargs, error, match):
 
 def test_bad_sizes():
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="n must be a positive int"):
+        with pytest.raises(ValueError, match="n must be an int >= 1"):
             quantized_allreduce_init(bad, 4, "int8")
-        with pytest.raises(ValueError, match="size must be a positive int"):
+        with pytest.raises(ValueError, match="size must be an int >= 1"):
             quantized_allreduce_bytes(10, bad, "int8")
-        with pytest.raises(ValueError, match="block must be a positive int"):
+        with pytest.raises(ValueError, match="block must be an int >= 1"):
             quantized_allreduce_padded_size(10, 4, bad)
     with pytest.raises(ValueError, match="fmt must be one of"):
         quantized_allreduce_bytes(10, 4, "fp16")
