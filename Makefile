@@ -37,7 +37,8 @@ test-sim: $(STAMP)
 # The notebooks, executed top to bottom at a reduced size. The committed .ipynb only: their
 # .py sources are not tests (tests/test_notebooks_sync.py checks that the two agree).
 test-nb: $(STAMP)
-	SHOAL_NOTEBOOK_SMALL=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake \
+	SHOAL_NOTEBOOK_SMALL=1 XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" \
+		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake \
 		notebooks/*.ipynb
 
 # Rewrite notebooks/*.ipynb (empty outputs) from their jupytext sources notebooks/NN_*.py.

@@ -54,7 +54,9 @@ def jax_run(
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // processes}",
+        # After the suite's own flags (conftest.py), which a later flag would not undo.
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+        f"--xla_force_host_platform_device_count={devices // processes}",
     )
     cmd = [sys.executable, "-m", "shoal.experiments.runner.cli", "--backend", "jax", *args]
     if processes > 1:
