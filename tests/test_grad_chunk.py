@@ -145,7 +145,7 @@ def test_cli_refuses_grad_chunk_with_mpi(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(
         "shoal.experiments.runner.cli.make_backend", lambda *a, **k: Ranks("mpi", 4)
     )
-    monkeypatch.setattr("shoal.experiments.runner.cli._mpi_world_size", lambda: 4)
+    monkeypatch.setattr("shoal.experiments.runner.cli.mpi_world_size", lambda: 4)
     argv = [str(QUICKSTART), "--backend", "mpi", "--set", "grad_chunk=2"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err

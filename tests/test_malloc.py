@@ -72,9 +72,9 @@ def test_a_keep_default_restarts_unless_the_user_says_system(setting, restarts):
 
 
 def test_shoal_run_keeps_the_heap_for_one_worker_per_process():
-    from shoal.experiments.runner.arguments import _malloc_default
+    from shoal.experiments.runner.arguments import malloc_default
 
-    assert _malloc_default(["quickstart", "--backend", "mpi"]) == "keep"
-    assert _malloc_default(["quickstart", "--backend=jax", "--devices-per-worker", "2"]) == "keep"
-    assert _malloc_default(["quickstart"]) == "system"
-    assert _malloc_default(["quickstart", "--backend", "sim", "--set", "steps=3"]) == "system"
+    assert malloc_default(["quickstart", "--backend", "mpi"]) == "keep"
+    assert malloc_default(["quickstart", "--backend=jax", "--devices-per-worker", "2"]) == "keep"
+    assert malloc_default(["quickstart"]) == "system"
+    assert malloc_default(["quickstart", "--backend", "sim", "--set", "steps=3"]) == "system"

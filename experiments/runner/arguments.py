@@ -135,7 +135,7 @@ def resolve_workers(
     return world
 
 
-def _load(spec: str):
+def load_argument(spec: str):
     """`load_file`, whose "not found" error also lists the bundled configs."""
     names = bundled_configs()
     if not Path(spec).is_file() and spec not in names:
@@ -170,7 +170,7 @@ def check_devices_per_worker(cfg: Config, k: int) -> None:
         )
 
 
-def _malloc_default(argv: list[str]) -> str:
+def malloc_default(argv: list[str]) -> str:
     """``"keep"`` for one worker per process (``--backend mpi|jax``), else ``"system"``:
     the `SHOAL_MALLOC` default (see `shoal.experiments.runner.malloc`)."""
     peek = argparse.ArgumentParser(add_help=False)
@@ -179,13 +179,13 @@ def _malloc_default(argv: list[str]) -> str:
     return "keep" if backend in ("mpi", "jax") else "system"
 
 
-def _mpi_world_size() -> int:
+def mpi_world_size() -> int:
     from mpi4py import MPI  # initialises MPI, as the MPI backend would
 
     return MPI.COMM_WORLD.Get_size()
 
 
-def _alone(backend: str, found: str, command: str) -> str:
+def launcher_missing(backend: str, found: str, command: str) -> str:
     """The error for ``--backend mpi|jax`` started without a launcher: one worker, no
     communication, nothing measured."""
     words, sim = shlex.split(command), []

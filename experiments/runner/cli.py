@@ -34,12 +34,12 @@ from shoal.experiments.overrides import apply_overrides, parse_assignment
 from shoal.experiments.reports import PLOTS, summary_table, write_run
 from shoal.experiments.runner.analysis import Analysis, run_analysis
 from shoal.experiments.runner.arguments import (
-    _alone,
-    _load,
-    _malloc_default,
-    _mpi_world_size,
     build_parser,
     check_devices_per_worker,
+    launcher_missing,
+    load_argument,
+    malloc_default,
+    mpi_world_size,
     output_problem,
     resolve_workers,
 )
@@ -159,7 +159,7 @@ _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it alread
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a command, not a call from Python: restart with the heap kept?
-        reexec_with_tunables(default=_malloc_default(sys.argv[1:]))
+        reexec_with_tunables(default=malloc_default(sys.argv[1:]))
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
     if args.servers < 0 or (args.servers and args.backend != "mpi"):
@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     # the worker count.
     backend = None
     command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
-    if args.backend == "mpi" and _mpi_world_size() == 1:
-        print(f"shoal-run: error: {_alone('mpi', 'a single MPI process', command)}",
-              file=sys.stderr)  # fmt: skip
+    if args.backend == "mpi" and mpi_world_size() == 1:
+        why = launcher_missing("mpi", "a single MPI process", command)
+        print(f"shoal-run: error: {why}", file=sys.stderr)
         return 2
     if args.backend != "sim":
         try:
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"shoal-run: error: {e}", file=sys.stderr)
             return 2
     if args.backend == "jax" and jax.process_count() == 1 and len(backend.devices) == 1:
-        print(f"shoal-run: error: {_alone('jax', 'one process with one device', command)}",
-              file=sys.stderr)  # fmt: skip
+        why = launcher_missing("jax", "one process with one device", command)
+        print(f"shoal-run: error: {why}", file=sys.stderr)
         return 2
     if backend is not None and backend.is_server:
         return _serve(backend, args.server_timeout)
@@ -210,7 +210,7 @@ def _main(args, argv, backend) -> int:
     is_root = backend is None or backend.is_root
     command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
     try:
-        loaded = _load(args.config)
+        loaded = load_argument(args.config)
         if args.resume and not isinstance(loaded, Config):
             what = "a study" if isinstance(loaded, Study) else "an analysis"
             raise ConfigError(f"--resume continues a config's runs; {what} has none to resume")
