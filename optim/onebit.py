@@ -103,7 +103,7 @@ class OneBitLambState(NamedTuple):
 # --------------------------------------------------------------------------- checks
 
 
-def _check_range(name, value, low, high, *, low_open=False, high_open=False):
+def check_range(name, value, low, high, *, low_open=False, high_open=False):
     v = concrete_float(value)
     if v is None:
         return
@@ -114,7 +114,7 @@ def _check_range(name, value, low, high, *, low_open=False, high_open=False):
         raise ValueError(f"{name} must be in {interval}, got {value!r}")
 
 
-def _check_order(low_name, low, high_name, high):
+def check_order(low_name, low, high_name, high):
     lo, hi = concrete_float(low), concrete_float(high)
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"{low_name} ({low}) must not exceed {high_name} ({high})")
@@ -135,7 +135,7 @@ def _check_mask(mask, params):
             ) from None
 
 
-class _Hyper(NamedTuple):
+class Hyper(NamedTuple):
     learning_rate: optax.ScalarOrSchedule
     collective: Collective
     freeze_step: int
@@ -146,17 +146,17 @@ class _Hyper(NamedTuple):
     momentum_mask: Any
 
 
-def _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask) -> _Hyper:
+def hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask) -> Hyper:
     """The hyper-parameters both algorithms share, checked."""
     check_collective(collective)
     check_int("freeze_step", freeze_step, 1)
     if not callable(learning_rate):
-        _check_range("learning_rate", learning_rate, 0.0, np.inf, high_open=True)
-    _check_range("b1", b1, 0.0, 1.0, high_open=True)
-    _check_range("b2", b2, 0.0, 1.0, high_open=True)
-    _check_range("eps", eps, 0.0, np.inf, low_open=True, high_open=True)
-    _check_range("weight_decay", weight_decay, 0.0, np.inf, high_open=True)
-    return _Hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask)
+        check_range("learning_rate", learning_rate, 0.0, np.inf, high_open=True)
+    check_range("b1", b1, 0.0, 1.0, high_open=True)
+    check_range("b2", b2, 0.0, 1.0, high_open=True)
+    check_range("eps", eps, 0.0, np.inf, low_open=True, high_open=True)
+    check_range("weight_decay", weight_decay, 0.0, np.inf, high_open=True)
+    return Hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask)
 
 
 # ------------------------------------------------------------------ the two stages
@@ -183,7 +183,7 @@ def _numel(tree) -> int:
     return sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(tree))
 
 
-def _two_stage(name, state_type, h: _Hyper, *, init, warmup, scales, compressed):
+def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
     """The transformation both algorithms share; each supplies its own rules:
 
     * ``init(params, zeros)``: its own state fields, as a dict;

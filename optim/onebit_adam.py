@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from shoal.comms.collective import Collective
-from shoal.optim.onebit import OneBitAdamState, _hyper, _two_stage
+from shoal.optim.onebit import OneBitAdamState, hyper, two_stage
 
 __all__ = ["onebit_adam"]
 
@@ -83,9 +83,9 @@ def onebit_adam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
       Adam's Convergence Speed", ICML 2021, Algorithm 1.
     """
-    h = _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
+    h = hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
     rate = lambda step: [jnp.asarray(-step.lr, jnp.float32)] * len(step.grads)  # both stages
-    return _two_stage(
+    return two_stage(
         "onebit_adam",
         OneBitAdamState,
         h,

@@ -22,7 +22,7 @@ from shoal import vma
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max, worker_size, worker_sums
 from shoal.optim.inplace import run_if
-from shoal.optim.onebit import OneBitLambState, _check_order, _check_range, _hyper, _two_stage
+from shoal.optim.onebit import OneBitLambState, check_order, check_range, hyper, two_stage
 from shoal.optim.validation import concrete_float
 
 __all__ = ["onebit_lamb"]
@@ -135,7 +135,7 @@ def onebit_lamb(
       Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
       Training with LAMB's Convergence Speed", 2021, Algorithm 1.
     """
-    h = _hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
+    h = hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, momentum_mask)
     for name, value, high in [
         ("max_coeff", max_coeff, np.inf),
         ("min_coeff", min_coeff, np.inf),
@@ -144,9 +144,9 @@ def onebit_lamb(
         ("factor_min", factor_min, np.inf),
         ("factor_threshold", factor_threshold, np.inf),
     ]:
-        _check_range(name, value, 0.0, high, high_open=True)
-    _check_order("min_coeff", min_coeff, "max_coeff", max_coeff)
-    _check_order("factor_min", factor_min, "factor_max", factor_max)
+        check_range(name, value, 0.0, high, high_open=True)
+    check_order("min_coeff", min_coeff, "max_coeff", max_coeff)
+    check_order("factor_min", factor_min, "factor_max", factor_max)
     leaves = jax.tree.leaves
     # Without weight decay rho is 1 whatever the norms: skip the passes that take them.
     decays = concrete_float(weight_decay) != 0
@@ -221,7 +221,7 @@ def onebit_lamb(
             factors.append(f)
         return state._replace(nu_fresh=step.tree(fresh), last_factor=step.tree(factors)), rate
 
-    return _two_stage(
+    return two_stage(
         "onebit_lamb",
         OneBitLambState,
         h,
