@@ -195,6 +195,7 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
     """
     b1, b2, collective, size = h.b1, h.b2, h.collective, h.collective.size
     codec = OneBit()
+    decays = concrete_float(h.weight_decay) != 0  # None (traced): it may decay
 
     def init_fn(params):
         check_same_structure(params, collective)
@@ -260,8 +261,14 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
         # applies it), and no parameter-sized update in the carry.
         state, rate, wire = carry
         mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+
+        def rule(m, v, w):
+            u = m / (jnp.sqrt(v) + h.eps)
+            # Without weight decay the params are not read at all (0 * w would still be).
+            return u + h.weight_decay * w if decays else u
+
         out = [
-            (r * (m / (jnp.sqrt(v) + h.eps) + h.weight_decay * w)).astype(x.dtype)
+            (r * rule(m, v, w)).astype(x.dtype)
             for r, m, v, w, x in zip(rate, mu, nu, step.params, leaves)
         ]
         state = state._replace(count=state.count + 1, wire=state.wire.record(wire))
