@@ -46,9 +46,10 @@ notebooks: $(STAMP)
 	$(PY) notebooks/build.py
 
 # Rank-agnostic tests again, one worker per MPI rank; the timeout turns a deadlock into a failure.
+# Only the files that hold such tests: every rank collects what it is given.
 test-mpi: $(STAMP)
 	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) \
-		$(PY) -m pytest -q -m mpi -p no:cacheprovider tests
+		$(PY) -m pytest -q -m mpi -p no:cacheprovider $$(grep -l 'mark\.mpi' tests/test_*.py)
 
 # Every benchmarks/*.py (how each is launched: LAUNCH in run_all.py), each with a timeout;
 # rewrites its generated block in BENCHMARKS.md. BENCH_ARGS: e.g. "--only gtc_pack", "--dry-run".

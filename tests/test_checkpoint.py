@@ -109,17 +109,15 @@ def whole(tmp_path_factory) -> Path:
 
 @solo
 def test_resume_is_exact_for_every_algorithm(whole, tmp_path, capsys):
+    # The uninterrupted run's folder without its outputs and its step-8 checkpoints: as if
+    # every algorithm had been stopped right after its step-4 checkpoint. (Stopping with
+    # --stop-after and continuing with the next algorithm: `test_multi_process_resume_per_process`
+    # and `_stopped_at_6`.)
     out = tmp_path / "split"
-    # Each invocation runs 4 steps: every algorithm stops at step 4 and resumes there. The
-    # first starts afresh (--resume finds no checkpoint yet: an error).
-    for i in range(2 * len(ALGORITHMS)):
-        assert run(out, *(["--resume"] if i else []), "--stop-after", str(HALF)) == 0
-        said = capsys.readouterr().out
-        algo = ALGORITHMS[i // 2]
-        if i % 2 == 0:
-            assert f"stopped {algo} at step {HALF} of {STEPS}" in said
-            assert not (out / "metrics.jsonl").exists()
-    assert (out / "metrics.jsonl").exists()
+    shutil.copytree(whole / "checkpoints", out / "checkpoints")
+    for algo in ALGORITHMS:
+        shutil.rmtree(out / "checkpoints" / algo / "rank_0" / f"step_{STEPS}")
+    assert run(out, "--resume") == 0
     split = records(out / "metrics.jsonl")
     assert split == records(whole / "metrics.jsonl")
     assert len(split) == STEPS * len(ALGORITHMS)
@@ -131,6 +129,7 @@ def test_resume_is_exact_for_every_algorithm(whole, tmp_path, capsys):
         assert_same_state(a, b)
         assert json.loads(b["records"])[-1]["mb_sent"] == json.loads(a["records"])[-1]["mb_sent"]
     # Resuming a finished run trains nothing and writes the same outputs again.
+    (out / "metrics.jsonl").unlink()
     assert run(out, "--resume") == 0
     assert records(out / "metrics.jsonl") == records(whole / "metrics.jsonl")
 
@@ -317,13 +316,15 @@ def _job(out: Path, backend: str, n: int, algos: tuple[str, ...], *extra: str) -
                                                ("jax", 2, ("gtc",))])  # fmt: skip
 def test_multi_process_resume_per_process(tmp_path, backend, n, algos):
     """mpiexec: every MPI rank, or every jax.distributed process (orbax's default writes
-    host arrays on process 0 only), saves and resumes its own workers' state. The first
-    algorithm finishes, the last stops at step 4; --resume skips the finished one and
+    host arrays on process 0 only), saves and resumes its own workers' state. The
+    uninterrupted job's checkpoints without the last algorithm's final one: the first
+    algorithm finished, the last stopped at step 4; --resume skips the finished one and
     continues; outputs and every process's final checkpoint equal the uninterrupted job's."""
     _job(tmp_path / "whole", backend, n, algos, "--set", "checkpoint_every=4")
     split = tmp_path / "split"
-    said = _job(split, backend, n, algos, "--stop-after", str(STEPS * (len(algos) - 1) + HALF))
-    assert f"stopped {algos[-1]} at step {HALF} of {STEPS}" in said
+    shutil.copytree(tmp_path / "whole" / "checkpoints", split / "checkpoints")
+    for rank in range(n):
+        shutil.rmtree(split / f"checkpoints/{algos[-1]}/rank_{rank}/step_{STEPS}")
     _job(split, backend, n, algos, "--resume")
     assert records(split / "metrics.jsonl") == records(tmp_path / "whole" / "metrics.jsonl")
     for algo in algos:

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start the
 
 WORKERS = 4
 STEPS = 12
-ALGORITHMS = ("ssgd", "gtc", "bmuf_gtc", "pgx")  # flat, sparse, two-tier, partial
+# Sparse, two-tier and partial (S-SGD and the dense exchanges: test_devices_per_worker.py).
+ALGORITHMS = ("gtc", "bmuf_gtc", "pgx")
 SMALL = ["--workers", str(WORKERS), "--no-progress", "--set", f"steps={STEPS}", "eval_every=5",
          "algorithms=" + ",".join(ALGORITHMS), "group_size=2", "block_size=4",
          "project_workers=0"]  # fmt: skip
