@@ -2,7 +2,7 @@
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.axis import AxisCollective
-from shoal.comms.collective import REDUCE_OPS, Collective
+from shoal.comms.collective import REDUCE_OPS, Collective, ppermute_switch
 from shoal.comms.compressed import (
     OneBit,
     compressed_allreduce,
@@ -58,6 +58,7 @@ __all__ = [
     "compressed_allreduce_padded_size",
     "gradient_order",
     "plan_fusion",
+    "ppermute_switch",
     "project",
     "quantized_allreduce",
     "quantized_allreduce_bytes",

@@ -21,12 +21,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from shoal.comms.collective import (
     check_all_to_all,
     check_op,
     check_perm,
+    check_perms,
     check_root,
     check_size,
     sum_rows,
@@ -282,6 +284,35 @@ class AxisCollective:
             lax.axis_index(self.axis_name), jnp.asarray([d for _, d in pairs] or [-1])
         )
         return jnp.where(is_dest, y, jnp.zeros_like(y))
+
+    def ppermute_switch(
+        self, x: jax.Array, perms: Sequence[Sequence[int]], index: Any
+    ) -> jax.Array:
+        """``x`` sent along ``perms[index]``: `shoal.comms.ppermute_switch` on this axis.
+
+        Under vmap one gather of the workers' rows by their sources in ``perms[index]``,
+        which XLA fuses into what consumes it (a switch over the permutations would write
+        its result to a fresh buffer); under shard_map a switch over `ppermute`.
+
+        Args:
+          x: an array of the same shape and dtype on every worker.
+          perms: permutations of ``range(size)``; worker ``r`` sends to ``perm[r]``.
+          index: which one, the same on every worker.
+
+        Returns:
+          the array this worker received.
+        """
+        perms = check_perms(perms, self.size)
+        self._check_axis()
+        if not self._simulated():
+            branches = [lambda v, p=p: self.ppermute(v, tuple(enumerate(p))) for p in perms]
+            return lax.switch(index, branches, x)
+        sources = np.zeros((len(perms), self.size), np.int32)
+        for k, p in enumerate(perms):
+            sources[k, list(p)] = np.arange(self.size)
+        index = jnp.clip(jnp.asarray(index, jnp.int32), 0, len(perms) - 1)
+        source = jnp.asarray(sources)[index][lax.axis_index(self.axis_name)]
+        return lax.all_gather(x, self.axis_name)[source]  # an exact copy: bit-identical
 
     def split(
         self, group_size: int, *, intra_axis: str = "member", inter_axis: str = "group"

@@ -133,6 +133,59 @@ def check_perm(perm: Sequence[tuple[int, int]], size: int) -> tuple[tuple[int, i
     return pairs
 
 
+def check_perms(perms: Sequence[Sequence[int]], size: int) -> tuple[tuple[int, ...], ...]:
+    """Validate a non-empty list of permutations of ``range(size)`` (``perm[r]``: where
+    worker ``r`` sends)."""
+    try:
+        out = tuple(tuple(int(d) for d in p) for p in perms)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"perms must be sequences of ints, got {perms!r}") from e
+    if not out:
+        raise ValueError("perms must hold at least one permutation")
+    for p in out:
+        if sorted(p) != list(range(size)):
+            raise ValueError(f"perms: each must be a permutation of range({size}), got {p}")
+    return out
+
+
+def ppermute_switch(
+    collective: Collective, x: jax.Array, perms: Sequence[Sequence[int]], index: Any
+) -> jax.Array:
+    """``x`` sent along the permutation ``perms[index]``, chosen alike on every worker.
+
+    Worker ``r`` sends to ``perms[index][r]`` and receives from the worker that sends to
+    it. ``index`` (an int scalar, clamped to ``[0, len(perms) - 1]`` like
+    ``lax.switch``'s) must be the same on every worker. Only the chosen permutation moves
+    data: a ``lax.switch`` over the collective's `Collective.ppermute`, or the collective's
+    own ``ppermute_switch`` when it has one (`AxisCollective` under vmap: one gather of the
+    workers' rows, instead of a switch whose result XLA writes to a fresh buffer).
+
+    Args:
+      collective: the workers (`Collective`).
+      x: an array of the same shape and dtype on every worker.
+      perms: permutations of ``range(collective.size)``.
+      index: which one, the same on every worker.
+
+    Returns:
+      the array this worker received (a bit-exact copy of the sender's).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, ppermute_switch
+      >>> coll = AxisCollective("workers", 3)
+      >>> perms = [(1, 2, 0), (2, 0, 1)]  # shift by one, by two
+      >>> f = lambda x, k: ppermute_switch(coll, x, perms, k)
+      >>> print(jax.vmap(f, (0, None), axis_name="workers")(jnp.arange(3.0), 1))
+      [1. 2. 0.]
+    """
+    own = getattr(collective, "ppermute_switch", None)
+    if own is not None:
+        return own(x, perms, index)
+    perms = check_perms(perms, collective.size)
+    branches = [lambda v, p=p: collective.ppermute(v, tuple(enumerate(p))) for p in perms]
+    return lax.switch(index, branches, x)
+
+
 def check_all_to_all(x: jax.Array, size: int) -> None:
     if x.ndim == 0 or x.shape[0] != size:
         raise ValueError(

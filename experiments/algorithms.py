@@ -81,7 +81,9 @@ class Algorithm:
     depend on any field). For reports: ``reference`` marks the uncompressed baseline that
     every other entry is compared with (speed-ups, accuracy gaps); ``compares_to`` names
     the algorithm whose rule this one runs uncompressed for its first ``warmup(cfg)``
-    steps (1-bit LAMB and LAMB), which the report then puts side by side."""
+    steps (1-bit LAMB and LAMB), which the report then puts side by side.
+    ``skip_in_place``: the ``in_place`` of the `shoal.optim.skip_nonfinite` around it
+    (None: that function's default)."""
 
     build: Builder
     two_tier: bool = False
@@ -92,6 +94,7 @@ class Algorithm:
     reference: bool = False
     compares_to: str | None = None
     warmup: Callable[[Config], int] | None = None
+    skip_in_place: bool | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -105,17 +108,21 @@ def register(
     context: bool = False,
     policy: str | None = None,
     fields: tuple[str, ...] | None = None,
+    skip_in_place: bool | None = None,
     **report: Any,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder`` available to configs as ``name``; ``fields``: the
-    `Config` fields of its own hyper-parameters (see the module docstring); ``report``:
-    `Algorithm`'s ``reference``, ``compares_to`` and ``warmup``."""
+    `Config` fields of its own hyper-parameters (see the module docstring);
+    ``skip_in_place``: see `Algorithm`; ``report``: `Algorithm`'s ``reference``,
+    ``compares_to`` and ``warmup``."""
     own = None if fields is None else frozenset(fields)
 
     def add(builder: Builder) -> Builder:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        ALGORITHMS[name] = Algorithm(builder, two_tier, check, context, policy, own, **report)
+        ALGORITHMS[name] = Algorithm(
+            builder, two_tier, check, context, policy, own, skip_in_place=skip_in_place, **report
+        )
         return builder
 
     return add
@@ -182,7 +189,8 @@ class Entry:
         )
         if sub.nonfinite == "off":
             return tx
-        return skip_nonfinite(tx, collective=comms, nonfinite=sub.nonfinite)
+        in_place = algo.skip_in_place
+        return skip_nonfinite(tx, collective=comms, nonfinite=sub.nonfinite, in_place=in_place)
 
 
 def resolve(entry: str | Entry, cfg: Config) -> Entry:

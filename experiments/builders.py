@@ -330,7 +330,7 @@ def onebit_adam_(cfg: Config, collective: Any) -> optax.GradientTransformation:
                        b1=cfg.lamb_b1, b2=cfg.lamb_b2, weight_decay=cfg.weight_decay)  # fmt: skip
 
 
-@register("pgx", fields=("pgx_fraction",))
+@register("pgx", fields=("pgx_fraction",), skip_in_place=True)
 def pgx(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's partial gradient exchange (`shoal.optim.partial_exchange`): one bin of
     ``pgx_fraction`` of the gradient bytes averaged per step, round robin, then
@@ -343,7 +343,9 @@ def _check_peers(cfg: Config) -> None:
         raise ConfigError("peer averaging needs at least 2 workers")
 
 
-@register("peer", check=_check_peers, fields=("peer_strategy", "peer_staleness"))
+@register(
+    "peer", check=_check_peers, fields=("peer_strategy", "peer_staleness"), skip_in_place=True
+)
 def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's peer model averaging (`shoal.optim.peer_averaging`) around `local_sgd`:
     every step each worker averages its model with one peer's (``peer_strategy``,
@@ -357,7 +359,7 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("sma", fields=("sma_alpha",))
+@register("sma", fields=("sma_alpha",), skip_in_place=True)
 def sma_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous model averaging (`shoal.optim.sma`) around `local_sgd`: every step
     ``v <- (1 - sma_alpha) v + sma_alpha mean(v)``, then the local update."""

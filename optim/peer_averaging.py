@@ -29,7 +29,7 @@ from jax import lax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
-from shoal.comms.collective import Collective
+from shoal.comms.collective import Collective, ppermute_switch
 from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
 from shoal.optim.validation import (
     check_collective,
@@ -192,11 +192,8 @@ def peer_averaging(
         else:
             sent = params
 
-        def exchange(perm):
-            pairs = tuple(enumerate(perm))
-            return lambda tree: jax.tree.map(lambda x: collective.ppermute(x, pairs), tree)
-
-        received = lax.switch(pick(t), [exchange(p) for p in perms], sent)
+        index = pick(t)
+        received = jax.tree.map(lambda x: ppermute_switch(collective, x, perms, index), sent)
         out = jax.tree.map(
             lambda q, p, u: ((q - p) / 2 + u).astype(u.dtype), received, params, inner_updates
         )

@@ -7,6 +7,7 @@ import pytest
 from harness import UNDER_MPI, my_ranks, n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, two_tier
+from shoal.comms.collective import ppermute_switch
 
 pytestmark = pytest.mark.mpi
 
@@ -77,6 +78,24 @@ def test_ppermute(kind):
     for r, y in out.items():
         expect = X[src_of[r]] if r in src_of else np.zeros_like(X[0])
         np.testing.assert_array_equal(y, expect)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 7, -1])
+def test_ppermute_switch_sends_along_the_chosen_permutation(index):
+    # Worker r sends to perms[k][r]; the index is clamped to the list, as lax.switch's.
+    perms = [tuple((r + 1) % N for r in range(N)), tuple(reversed(range(N))), tuple(range(N))]
+    out = run_workers(lambda c, x: ppermute_switch(c, x, perms, jnp.int32(index)), X)
+    perm = perms[min(max(index, 0), len(perms) - 1)]
+    src_of = {d: s for s, d in enumerate(perm)}
+    for r, y in out.items():
+        np.testing.assert_array_equal(y, X[src_of[r]])  # a copy: bit-identical
+
+
+def test_ppermute_switch_refuses_what_is_not_a_permutation():
+    with pytest.raises(ValueError, match=r"perms: each must be a permutation of range\(4\)"):
+        run_workers(lambda c, x: ppermute_switch(c, x, [(0, 0, 1, 2)], 0), X)
+    with pytest.raises(ValueError, match="at least one permutation"):
+        run_workers(lambda c, x: ppermute_switch(c, x, [], 0), X)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

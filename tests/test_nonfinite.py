@@ -139,7 +139,7 @@ def trajectory(tx, p0, grads):
     return p, updates, states
 
 
-def _run(name, grads, nonfinite):
+def _run(name, grads, nonfinite, in_place=None):
     """``{rank: (params, updates per step, state per step)}``; ``nonfinite=None``: the
     transformation unwrapped."""
 
@@ -147,7 +147,7 @@ def _run(name, grads, nonfinite):
         tx = CASES[name](*comms)
         if nonfinite is None:
             return tx
-        return skip_nonfinite(tx, collective=comms, nonfinite=nonfinite)
+        return skip_nonfinite(tx, collective=comms, nonfinite=nonfinite, in_place=in_place)
 
     p0 = jax.tree.map(lambda x: np.broadcast_to(x, (N, *x.shape)), P0)
     if name in TWO_TIER:
@@ -175,6 +175,8 @@ def bad_value(name):
 def run(name, variant):
     if variant == "bad":
         return _run(name, poisoned(bad_value(name)), "skip")
+    if variant in ("bad in place", "bad select"):
+        return _run(name, poisoned(bad_value(name)), "skip", variant == "bad in place")
     if variant == "without":  # the run that never saw the bad step
         return _run(name, without_step(GRADS), "skip")
     if variant == "clean":
@@ -354,6 +356,19 @@ def test_bad_policy_is_refused_by_name(bad):
     c = AxisCollective("w", 4)
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         skip_nonfinite(optax.sgd(0.1), collective=c, nonfinite=bad)
+    with pytest.raises(ValueError, match="in_place must be None, True or False, got 'yes'"):
+        skip_nonfinite(optax.sgd(0.1), collective=c, in_place="yes")
+
+
+# Both ways of skipping (a 0-or-1-trip loop in place, a select) give the same run, bit for
+# bit: an update that mixes in other workers' values, an all-reduce, and a state that
+# passes through (by default in place).
+@pytest.mark.parametrize("name", ["peer_averaging", "allreduce_gradients", "bmuf"])
+def test_skipping_in_place_or_by_select_is_the_same_run(name):
+    skip_most_under_mpi(name)
+    for rank, want in run(name, "bad").items():
+        for variant in ("bad in place", "bad select"):
+            assert_trees_equal(run(name, variant)[rank], want)
 
 
 FACTORIES = sorted(
