@@ -29,6 +29,9 @@ element-wise runs every step and ``where(ok, new, old)`` keeps the old state on 
 step: the select fuses into the kernels that compute the new state, where a branch would
 copy it. Its collectives then run on a bad step too, on every worker alike, and their
 results are discarded with the rest (the wire count still reports 0 bytes for them).
+``in_place`` overrides the choice: an update that mixes other workers' values into the
+parameters (peer and model averaging) runs faster in the loop, because the select makes
+XLA copy the momentum and the new parameters (`benchmarks/sim_scale.py`).
 """
 
 from __future__ import annotations
