@@ -15,7 +15,7 @@ MPI_RANKS ?= 4
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-nb test-mpi notebooks bench bench-cluster study lint clean venv
+.PHONY: run test test-sim test-nb test-sim-nb test-mpi notebooks bench bench-cluster study lint clean venv
 
 venv: $(STAMP)
 
@@ -29,17 +29,23 @@ $(STAMP): pyproject.toml Makefile install.sh
 run: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8 --overwrite
 
-test: test-sim test-nb test-mpi
+# The in-process tests and the notebooks share one pool of processes (the notebooks first:
+# the longest items start early), then the MPI tests.
+test: test-sim-nb test-mpi
 
 test-sim: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
 
 # The notebooks, executed top to bottom at a reduced size. The committed .ipynb only: their
 # .py sources are not tests (tests/test_notebooks_sync.py checks that the two agree).
+# Their kernels compile with the tests' XLA flags (TEST_XLA_FLAGS in tests/conftest.py).
+NB := SHOAL_NOTEBOOK_SMALL=1 \
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 test-nb: $(STAMP)
-	SHOAL_NOTEBOOK_SMALL=1 XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" \
-		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake \
-		notebooks/*.ipynb
+	$(NB) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks/*.ipynb
+
+test-sim-nb: $(STAMP)
+	$(NB) $(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --nbmake notebooks/*.ipynb tests
 
 # Rewrite notebooks/*.ipynb (empty outputs) from their jupytext sources notebooks/NN_*.py.
 notebooks: $(STAMP)

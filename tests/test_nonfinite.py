@@ -109,11 +109,14 @@ BAD_VALUES = (np.nan, np.inf, -np.inf)
 # Under mpiexec, one case per kind of exchange (all-reduce, all-gather, two tiers,
 # ppermute): the wrapper is the same code for all; every case runs in one process.
 MPI_CASES = {"allreduce_gradients", "gtc", "bmuf_gtc", "peer_averaging"}
-# Adam-style moments of an all-reduced mean: XLA:CPU contracts a multiply and an add into
-# one FMA in some fusions and not in others, and the wrapper's select changes the
-# fusions, so wrapped and unwrapped runs differ in the last bits (measured: at most 3
-# ulp over these runs). Every other case is bit for bit.
-FMA_CASES = {"allreduce_gradients+adam", "onebit_adam", "onebit_lamb"}
+# XLA:CPU contracts a multiply and an add into one FMA in some fusions and not in others,
+# and the wrapper (its select or its loop) changes the fusions, so wrapped and unwrapped
+# runs may differ in the last bits: Adam-style moments of an all-reduced mean (measured: at
+# most 3 ulp with XLA's fusion emitters, 9 with the loop emitters the tests compile with,
+# tests/conftest.py), and with the loop emitters also a momentum update mixed with other
+# workers' parameters or a noise estimate (up to 3e-8 absolute). Every other case is bit for bit.
+FMA_CASES = {"allreduce_gradients+adam", "onebit_adam", "onebit_lamb", "peer_averaging", "sma",
+             "gradient_noise_scale"}  # fmt: skip
 
 
 def skip_most_under_mpi(name):
@@ -203,12 +206,14 @@ def assert_trees_equal(a, b):
 
 
 def assert_trees_close(a, b):
-    """Floats within 4 ulp, everything else (counters, byte counts) bit for bit."""
+    """Floats within rounding (FMA contraction, measured above: rtol 1e-5, atol 1e-8; a
+    step taken or skipped wrongly moves them by ~1e-3), everything else (counters, byte
+    counts) bit for bit."""
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
         if np.issubdtype(x.dtype, np.floating):
-            np.testing.assert_array_max_ulp(x, y, maxulp=4)
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
         else:
             np.testing.assert_array_equal(x, y)
 
@@ -361,14 +366,15 @@ def test_bad_policy_is_refused_by_name(bad):
 
 
 # Both ways of skipping (a 0-or-1-trip loop in place, a select) give the same run, bit for
-# bit: an update that mixes in other workers' values, an all-reduce, and a state that
-# passes through (by default in place).
+# bit but for FMA contraction (FMA_CASES): an update that mixes in other workers' values, an
+# all-reduce, and a state that passes through (by default in place).
 @pytest.mark.parametrize("name", ["peer_averaging", "allreduce_gradients", "bmuf"])
 def test_skipping_in_place_or_by_select_is_the_same_run(name):
     skip_most_under_mpi(name)
+    same = assert_trees_close if name in FMA_CASES else assert_trees_equal
     for rank, want in run(name, "bad").items():
         for variant in ("bad in place", "bad select"):
-            assert_trees_equal(run(name, variant)[rank], want)
+            same(run(name, variant)[rank], want)
 
 
 FACTORIES = sorted(

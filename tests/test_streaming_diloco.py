@@ -281,7 +281,8 @@ def test_peak_bytes_are_one_fragment():
     assert stream[0].tolist() == [0, 48] * sync_every
 
 
-@pytest.mark.mpi
+# In one process only: the quantized all-reduce's MPI path is tests/test_quantized_allreduce.py,
+# streaming DiLoCo's exchange under MPI the float32 and one-fragment tests.
 def test_quantized_exchange_is_the_compressor_mean():
     """exchange=Quantized: the fragment's averaged delta is exchange.mean of the flattened
     theta_g[p] - theta_i[p], error feedback per fragment included, and each syncing
