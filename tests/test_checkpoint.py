@@ -108,7 +108,7 @@ def whole(tmp_path_factory) -> Path:
 
 
 @solo
-def test_resume_is_exact_for_every_algorithm(whole, tmp_path, capsys):
+def test_resume_is_exact_for_every_algorithm(whole, tmp_path):
     # The uninterrupted run's folder without its outputs and its step-8 checkpoints: as if
     # every algorithm had been stopped right after its step-4 checkpoint. (Stopping with
     # --stop-after and continuing with the next algorithm: `test_multi_process_resume_per_process`
