@@ -32,6 +32,7 @@ from shoal.comms.collective import (
     check_root,
     check_size,
     sum_rows,
+    switch_ppermute,
 )
 
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
@@ -214,7 +215,7 @@ class AxisCollective:
         Returns:
           ``obj``.
         """
-        root = check_root(root, self.size)
+        check_root(root, self.size)
         return obj
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
@@ -305,8 +306,7 @@ class AxisCollective:
         perms = check_perms(perms, self.size)
         self._check_axis()
         if not self._simulated():
-            branches = [lambda v, p=p: self.ppermute(v, tuple(enumerate(p))) for p in perms]
-            return lax.switch(index, branches, x)
+            return switch_ppermute(self, x, perms, index)
         sources = np.zeros((len(perms), self.size), np.int32)
         for k, p in enumerate(perms):
             sources[k, list(p)] = np.arange(self.size)

@@ -181,7 +181,14 @@ def ppermute_switch(
     own = getattr(collective, "ppermute_switch", None)
     if own is not None:
         return own(x, perms, index)
-    perms = check_perms(perms, collective.size)
+    return switch_ppermute(collective, x, check_perms(perms, collective.size), index)
+
+
+def switch_ppermute(
+    collective: Collective, x: jax.Array, perms: Sequence[tuple[int, ...]], index: Any
+) -> jax.Array:
+    """`ppermute_switch` as a ``lax.switch`` over ``collective.ppermute``, one branch per
+    permutation (checked ones): only the taken branch moves data."""
     branches = [lambda v, p=p: collective.ppermute(v, tuple(enumerate(p))) for p in perms]
     return lax.switch(index, branches, x)
 

@@ -93,7 +93,7 @@ class RecordingCollective:
         return jnp.broadcast_to(x[0], x.shape)  # row 0 of every (identical) worker
 
     def broadcast(self, tree: Any, root: int = 0) -> Any:
-        root = check_root(root, self.size)
+        check_root(root, self.size)
         self._emit("broadcast", tree_nbytes(tree))
         return tree
 
@@ -106,7 +106,7 @@ class RecordingCollective:
         return [obj] * self.size  # identical workers
 
     def host_broadcast(self, obj: Any, root: int = 0) -> Any:
-        root = check_root(root, self.size)
+        check_root(root, self.size)
         return obj
 
     def split(self, group_size: int) -> tuple[RecordingCollective, RecordingCollective]:

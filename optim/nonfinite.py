@@ -229,7 +229,8 @@ def skip_nonfinite(
       collective: the workers that must skip together, all of them: one collective, or
         a two-tier algorithm's ``(intra, inter)`` (the count is summed over each).
       nonfinite: ``"skip"`` or ``"raise"``.
-      in_place: how a step is skipped, for speed only (the results are the same):
+      in_place: how a step is skipped, for speed only (the same results, but for how XLA
+        contracts multiply-adds into FMAs):
         ``True``: ``inner`` runs in a loop of 0 or 1 trips that updates the gradient and
         its state in place; ``False``: it runs every step and a select keeps the old
         state; ``None``: in place when ``inner`` may pass most of its state through

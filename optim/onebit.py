@@ -145,6 +145,12 @@ class Hyper(NamedTuple):
     weight_decay: float
     momentum_mask: Any
 
+    @property
+    def decays(self) -> bool:
+        """Whether the update adds weight decay (a traced weight decay may be non-zero):
+        without it the params are not read at all (``0 * w`` would still be a pass)."""
+        return concrete_float(self.weight_decay) != 0
+
 
 def hyper(learning_rate, collective, freeze_step, b1, b2, eps, weight_decay, mask) -> Hyper:
     """The hyper-parameters both algorithms share, checked."""
@@ -195,7 +201,6 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
     """
     b1, b2, collective, size = h.b1, h.b2, h.collective, h.collective.size
     codec = OneBit()
-    decays = concrete_float(h.weight_decay) != 0  # None (traced): it may decay
 
     def init_fn(params):
         check_same_structure(params, collective)
@@ -264,8 +269,7 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
 
         def rule(m, v, w):
             u = m / (jnp.sqrt(v) + h.eps)
-            # Without weight decay the params are not read at all (0 * w would still be).
-            return u + h.weight_decay * w if decays else u
+            return u + h.weight_decay * w if h.decays else u
 
         out = [
             (r * rule(m, v, w)).astype(x.dtype)

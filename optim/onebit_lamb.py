@@ -23,7 +23,6 @@ from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max, worker_size, worker_sums
 from shoal.optim.inplace import run_if
 from shoal.optim.onebit import OneBitLambState, check_order, check_range, hyper, two_stage
-from shoal.optim.validation import concrete_float
 
 __all__ = ["onebit_lamb"]
 
@@ -149,7 +148,7 @@ def onebit_lamb(
     check_order("factor_min", factor_min, "factor_max", factor_max)
     leaves = jax.tree.leaves
     # Without weight decay rho is 1 whatever the norms: skip the passes that take them.
-    decays = concrete_float(weight_decay) != 0
+    decays = h.decays
 
     def init(params, zeros):
         scalar = lambda value: jax.tree.map(lambda _: jnp.full((), value, jnp.float32), params)
