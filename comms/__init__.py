@@ -2,7 +2,7 @@
 
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.axis import AxisCollective
-from shoal.comms.collective import REDUCE_OPS, Collective, ppermute_switch
+from shoal.comms.collective import REDUCE_OPS, Collective, ppermute_switch, reduce_scatter
 from shoal.comms.compressed import (
     OneBit,
     compressed_allreduce,
@@ -59,6 +59,7 @@ __all__ = [
     "gradient_order",
     "plan_fusion",
     "ppermute_switch",
+    "reduce_scatter",
     "project",
     "quantized_allreduce",
     "quantized_allreduce_bytes",

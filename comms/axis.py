@@ -192,6 +192,29 @@ class AxisCollective:
         self._check_axis()
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
 
+    def reduce_scatter(self, x: jax.Array) -> jax.Array:
+        """The sum over the workers of ``x``'s rows, worker ``r`` keeping row ``r``:
+        `shoal.comms.reduce_scatter` on this axis.
+
+        Under vmap the gathered rows (a free view) are summed once for all workers, as in
+        `all_reduce`, and each worker takes its row (an all-to-all would first write a
+        transposed copy of every worker's ``x``); under shard_map an all-to-all over the
+        axis, then this device's rows summed.
+
+        Args:
+          x: a floating array with ``x.shape[0] == size``.
+
+        Returns:
+          an array of shape ``x.shape[1:]``, summed in ``float32`` or wider.
+        """
+        check_all_to_all(x, self.size, "reduce_scatter")
+        self._check_axis()
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        if not self._simulated():
+            return sum_rows(self.all_to_all(x).astype(acc))
+        total = sum_rows(lax.all_gather(x, self.axis_name).astype(acc))  # [size, ...]
+        return total[lax.axis_index(self.axis_name)]
+
     def host_allgather(self, obj: Any) -> list[Any]:
         """``[obj] * size``: the workers of an axis run one trace in one program, so on
         the host they hold the same ``obj`` (nothing is sent).

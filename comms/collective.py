@@ -184,6 +184,42 @@ def ppermute_switch(
     return switch_ppermute(collective, x, check_perms(perms, collective.size), index)
 
 
+def reduce_scatter(collective: Collective, x: jax.Array) -> jax.Array:
+    """The sum over the workers of ``x``'s rows, worker ``r`` keeping row ``r``.
+
+    ``x`` is ``[size, ...]``; worker ``r`` gets ``sum_j x_j[r]`` (``x_j`` worker ``j``'s
+    ``x``), summed in ``float32`` or wider. An all-to-all, then this worker's rows summed
+    (`sum_rows`), or the collective's own ``reduce_scatter`` when it has one
+    (`AxisCollective` under vmap: the sum of the gathered rows, one read of them, instead
+    of an all-to-all that writes a transposed copy of every worker's buffer first).
+
+    Args:
+      collective: the workers (`Collective`).
+      x: a floating array with ``x.shape[0] == collective.size``, the same shape on every
+        worker.
+
+    Returns:
+      an array of shape ``x.shape[1:]`` and dtype ``promote_types(x.dtype, float32)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shoal.comms import AxisCollective, reduce_scatter
+      >>> coll = AxisCollective("workers", 2)
+      >>> x = jnp.array([[[1.0], [2.0]], [[10.0], [20.0]]])  # worker j holds x[j]
+      >>> print(jax.vmap(lambda v: reduce_scatter(coll, v), axis_name="workers")(x))
+      [[11.]
+       [22.]]
+    """
+    check_all_to_all(x, collective.size, "reduce_scatter")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"reduce_scatter needs a floating x, got dtype {x.dtype}")
+    own = getattr(collective, "reduce_scatter", None)
+    if own is not None:
+        return own(x)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return sum_rows(collective.all_to_all(x).astype(acc))
+
+
 def switch_ppermute(
     collective: Collective, x: jax.Array, perms: Sequence[tuple[int, ...]], index: Any
 ) -> jax.Array:
@@ -193,11 +229,9 @@ def switch_ppermute(
     return lax.switch(index, branches, x)
 
 
-def check_all_to_all(x: jax.Array, size: int) -> None:
+def check_all_to_all(x: jax.Array, size: int, what: str = "all_to_all") -> None:
     if x.ndim == 0 or x.shape[0] != size:
-        raise ValueError(
-            f"all_to_all needs x.shape[0] == collective size {size}, got shape {x.shape}"
-        )
+        raise ValueError(f"{what} needs x.shape[0] == collective size {size}, got shape {x.shape}")
 
 
 def uniform_over(collectives: Collective | Sequence[Collective], x: Any) -> Any:

@@ -19,7 +19,7 @@ import optax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
-from shoal.comms.collective import Collective, sum_rows
+from shoal.comms.collective import Collective, reduce_scatter
 from shoal.comms.fusion import FusionPlan, plan_fusion
 from shoal.comms.gradient_order import broadcast_order
 from shoal.comms.servers import Layout, ParameterServers
@@ -164,15 +164,15 @@ def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):
     sent = 0
     if intra is not None:
         # Step 1: reduce-scatter inside the node; local rank l keeps slice l, summed.
-        got = intra.all_to_all(buf.reshape(local, -1))
-        part = sum_rows(got.astype(acc)).astype(plan.dtype).reshape(-1, k)
+        got = reduce_scatter(intra, buf.reshape(local, -1))
+        part = got.astype(plan.dtype).reshape(-1, k)
         sent += all_to_all_bytes(n, local)[0]
     m = n // local  # this worker's slice
     if servers is not None:
         total = servers.exchange(part, tag).astype(acc)
         sent += m
     else:
-        mine = sum_rows(collective.all_to_all(part).astype(acc))
+        mine = reduce_scatter(collective, part)
         total = collective.all_gather(mine.astype(plan.dtype)).astype(acc)
         sent += all_to_all_bytes(m, collective.size)[0]
         sent += all_gather_bytes(m // collective.size, collective.size)[0]

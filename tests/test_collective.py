@@ -7,7 +7,7 @@ import pytest
 from harness import UNDER_MPI, my_ranks, n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, two_tier
-from shoal.comms.collective import ppermute_switch
+from shoal.comms.collective import ppermute_switch, reduce_scatter
 
 pytestmark = pytest.mark.mpi
 
@@ -96,6 +96,29 @@ def test_ppermute_switch_refuses_what_is_not_a_permutation():
         run_workers(lambda c, x: ppermute_switch(c, x, [(0, 0, 1, 2)], 0), X)
     with pytest.raises(ValueError, match="at least one permutation"):
         run_workers(lambda c, x: ppermute_switch(c, x, [], 0), X)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reduce_scatter_sums_each_row_over_the_workers(dtype):
+    # Worker j holds x_j of shape [N, 2, 3]; worker r gets sum_j x_j[r], in float32.
+    x = RNG.normal(size=(N, N, 2, 3)).astype(np.float32)
+    xd = jnp.asarray(x, dtype)
+    out = run_workers(lambda c, v: reduce_scatter(c, v), xd)
+    oracle = np.asarray(xd.astype(jnp.float32)).sum(0)  # [N, 2, 3]: row r for worker r
+    for r, y in out.items():
+        assert y.dtype == jnp.float32 and y.shape == (2, 3)
+        np.testing.assert_allclose(y, oracle[r], rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_scatter_refuses_a_bad_x():
+    with pytest.raises(
+        ValueError, match=rf"reduce_scatter needs x.shape\[0\] == collective size {N}"
+    ):
+        run_workers(lambda c, v: reduce_scatter(c, v[:1]), X)
+    with pytest.raises(TypeError, match="reduce_scatter needs a floating x"):
+        run_workers(
+            lambda c, v: reduce_scatter(c, (jnp.zeros((N, 2)) + v[0, 0]).astype(jnp.int32)), X
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
