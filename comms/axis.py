@@ -93,6 +93,16 @@ class AxisCollective:
         # shard_map makes its axes manual mesh axes; a vmap axis is not one.
         return self.axis_name not in jax.sharding.get_abstract_mesh().manual_axes
 
+    def simulated(self) -> bool:
+        """Whether the workers are simulated: called at trace time, inside the ``vmap`` or
+        ``shard_map`` that names ``axis_name``.
+
+        Returns:
+          True inside ``vmap`` (the workers are rows of arrays in one program), False
+          inside ``shard_map`` over a mesh axis (each worker is a device).
+        """
+        return self._simulated()
+
     def rank(self) -> jax.Array:
         """This worker's index along ``axis_name``.
 

@@ -58,6 +58,10 @@ def bfb_allreduce(
 
     Buffers are reduced one after another in layout order, each from only its own
     leaves, so a buffer's communication can start as soon as its gradients exist.
+    Simulated workers (an `AxisCollective` under ``vmap``, modes 1 and 3) sum the same
+    values leaf by leaf instead: a buffer's layout decides what its exchange costs, not
+    an element's sum over the workers, and under vmap the buffers would only copy the
+    model into them and back. The wire count is the fused exchange's either way.
 
     To skip steps with a NaN/Inf gradient, wrap the chain in `shoal.optim.skip_nonfinite`
     with the workers' collectives (``(intra, collective)`` in mode 3): the flag never goes
@@ -137,13 +141,22 @@ def bfb_allreduce(
         tag = None
         if servers is not None:
             tag = servers.register(Layout(plan.dtype.name, plan.shard_sizes, local))
-        reduced = []
-        sent = 0
-        for b, buf in enumerate(plan.fuse(updates)):
-            total, nbytes = _reduce(buf, plan, b, collective, intra, servers, tag)
-            reduced.append((total / workers).astype(plan.dtype))
-            sent += nbytes
+        item = plan.dtype.itemsize
+        sent = sum(
+            _sent_bytes(plan.num_shards * k * item, collective, intra, servers)
+            for k in plan.shard_sizes
+        )
         wire = state.wire.record(WireCount.of(sent, sent))
+        if servers is None and all(_simulated(t) for t in tiers):
+            # Simulated workers: where an element sits in the buffers changes what the
+            # exchange costs (counted above from the plan), not its sum over the workers,
+            # which is the same dot over their rows either way. Reduced leaf by leaf, the
+            # step does not copy the model into fusion buffers and back.
+            return _mean_by_leaf(updates, plan.dtype, tiers, workers), state._replace(wire=wire)
+        reduced = []
+        for b, buf in enumerate(plan.fuse(updates)):
+            total = _reduce(buf, plan, b, collective, intra, servers, tag)
+            reduced.append((total / workers).astype(plan.dtype))
         return plan.unfuse(reduced), state._replace(wire=wire)
 
     tiers = tuple(t for t in (intra, collective) if t is not None)
@@ -154,32 +167,59 @@ def bfb_allreduce(
 
 def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):
     """The sum over all workers of buffer ``buf`` (``[L * S, k]``), in a float type wide
-    enough for the sum, and the bytes this worker sent (= received)."""
+    enough for the sum."""
     local = intra.size if intra is not None else 1
     k = plan.shard_sizes[b]
     acc = jnp.promote_types(plan.dtype, jnp.float32)
-    item = plan.dtype.itemsize
-    n = buf.size * item  # the whole buffer as sent, padding included
     part = buf
-    sent = 0
     if intra is not None:
         # Step 1: reduce-scatter inside the node; local rank l keeps slice l, summed.
         got = reduce_scatter(intra, buf.reshape(local, -1))
         part = got.astype(plan.dtype).reshape(-1, k)
-        sent += all_to_all_bytes(n, local)[0]
-    m = n // local  # this worker's slice
     if servers is not None:
         total = servers.exchange(part, tag).astype(acc)
-        sent += m
     else:
         mine = reduce_scatter(collective, part)
         total = collective.all_gather(mine.astype(plan.dtype)).astype(acc)
+    if intra is not None:
+        total = intra.all_gather(total.astype(plan.dtype)).astype(acc)
+    return total.reshape(buf.shape)
+
+
+def _sent_bytes(n: int, collective, intra, servers) -> int:
+    """Bytes a worker sends (= receives) to reduce one buffer of ``n`` bytes (`_reduce`)."""
+    local = intra.size if intra is not None else 1
+    sent = all_to_all_bytes(n, local)[0] if intra is not None else 0
+    m = n // local  # this worker's slice
+    if servers is not None:
+        sent += m
+    else:
         sent += all_to_all_bytes(m, collective.size)[0]
         sent += all_gather_bytes(m // collective.size, collective.size)[0]
     if intra is not None:
-        total = intra.all_gather(total.astype(plan.dtype)).astype(acc)
         sent += all_gather_bytes(m, local)[0]
-    return total.reshape(buf.shape), sent
+    return sent
+
+
+def _simulated(collective) -> bool:
+    # `AxisCollective` under vmap: the workers are rows of arrays in one program.
+    simulated = getattr(collective, "simulated", None)
+    return bool(simulated()) if simulated is not None else False
+
+
+def _mean_by_leaf(updates, dtype, tiers, workers):
+    """`_reduce`'s arithmetic leaf by leaf: each leaf as sent (``dtype``), summed over the
+    workers of every tier in a float type wide enough, sent back as ``dtype``, then
+    divided by the number of workers."""
+    acc = jnp.promote_types(dtype, jnp.float32)
+
+    def one(x):
+        total = x.astype(dtype).astype(acc)
+        for tier in tiers:  # within the node, then across nodes, as `_reduce` sums
+            total = tier.all_reduce(total, "sum").astype(dtype).astype(acc)
+        return (total / workers).astype(dtype).astype(x.dtype)
+
+    return jax.tree.map(one, updates)
 
 
 def _check_servers(servers, collective, intra, workers: int) -> None:

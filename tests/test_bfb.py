@@ -219,6 +219,40 @@ def test_hierarchical_equals_all_reduce_mean():
         assert (int(w.sent), int(w.received)) == (expect, expect)
 
 
+class _Unsimulated(AxisCollective):
+    """An `AxisCollective` that says it is not simulated: bfb then runs its fusion
+    buffers under vmap, as it does on devices and MPI ranks."""
+
+    def simulated(self) -> bool:
+        return False
+
+
+@pytest.mark.skipif(UNDER_MPI, reason="compares two simulated runs")
+@pytest.mark.parametrize("two_tier", [False, True])
+def test_simulated_leaf_by_leaf_equals_the_fusion_buffers(two_tier):
+    # Simulated workers sum leaf by leaf; the buffers' layout changes the cost, not the
+    # sums: the same values (mixed dtypes, padding, a leaf split over buffers) and bytes.
+    def run(cls):
+        if two_tier:
+            intra, inter = cls("member", 2), cls("group", N // 2)
+            tx = bfb_allreduce(collective=inter, intra=intra, buffer_bytes=40)
+            step = lambda g: (lambda u, s: (u, s.wire.step))(*tx.update(g, tx.init(g)))
+            f = jax.vmap(jax.vmap(step, axis_name="member"), axis_name="group")
+            grads = jax.tree.map(lambda a: a.reshape(N // 2, 2, *a.shape[1:]), GRADS)
+            return jax.jit(f)(grads)
+        coll = cls("workers", N)
+        tx = bfb_allreduce(collective=coll, buffer_bytes=12)
+        step = lambda g: (lambda u, s: (u, s.wire.step))(*tx.update(g, tx.init(g)))
+        return jax.jit(jax.vmap(step, axis_name="workers"))(GRADS)
+
+    (leafwise, wire_a), (fused, wire_b) = run(AxisCollective), run(_Unsimulated)
+    for a, b in zip(jax.tree.leaves(leafwise), jax.tree.leaves(fused)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(wire_a.sent), np.asarray(wire_b.sent))
+    np.testing.assert_array_equal(np.asarray(wire_a.received), np.asarray(wire_b.received))
+
+
 def test_bad_bfb_arguments():
     coll = AxisCollective("workers", 4)
     with pytest.raises(TypeError, match="ParameterServers"):
