@@ -80,7 +80,10 @@ class Collective(Protocol):
 
 
 # Every member an engine must have (the Protocol's, spelled out: Python 3.10 has no
-# public way to list them). `missing_members` checks a value against it.
+# public way to list them). `missing_members` checks a value against it. An engine may
+# also have faster forms of composite exchanges, which the free functions of the same
+# names use when present (`ppermute_switch`, `reduce_scatter`), and ``simulated()``,
+# True when its workers are rows of arrays in one program (`AxisCollective` under vmap).
 MEMBERS = (
     "size",
     "rank",
