@@ -38,13 +38,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
-from sim_scale import CONFIG, Case, Program, compile_donated, fmt_params, n_params
+from sim_scale import CONFIG, Case, Program, Runner, compile_donated, fmt_params, n_params
 
-from shoal.experiments.algorithms import local_sgd
 from shoal.experiments.overrides import load_config
-from shoal.experiments.runner.train import make_step
 
 DEFAULT_ALGORITHMS = "ssgd,gtc,bmuf,onebit_lamb[onebit_freeze_step=10],bfb"
 WARMUP = 12  # steps before the profile: past onebit_freeze_step = 10
@@ -112,20 +111,18 @@ def self_times(events: list[dict]) -> dict[str, float]:
     return total
 
 
-def profile(compiled, state, x, y, steps: int) -> dict[str, float]:
-    """ms per step of self time per instruction, over ``steps`` steps after `WARMUP`."""
-    params, opt_state = state
-    for _ in range(WARMUP):
-        params, opt_state, _ = compiled(params, opt_state, x, y)
-    jax.block_until_ready(params)
+def profile(step, state, case: Case, steps: int) -> tuple[dict[str, float], Any]:
+    """ms per step of self time per instruction, over ``steps`` steps after `WARMUP`, and
+    the compiled step."""
+    compiled, _ = compile_donated(step, *state, case.x, case.y)
+    runner = Runner(compiled, state, case.x, case.y)
+    runner.run(WARMUP)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(steps):
-                params, opt_state, _ = compiled(params, opt_state, x, y)
-            jax.block_until_ready(params)
+            runner.run(steps)
         (trace,) = Path(d).glob("**/*.trace.json.gz")
         events = json.load(gzip.open(trace))["traceEvents"]
-    return {k: v / 1e3 / steps for k, v in self_times(events).items()}
+    return {k: v / 1e3 / steps for k, v in self_times(events).items()}, compiled
 
 
 def main() -> None:
@@ -142,16 +139,10 @@ def main() -> None:
     cfg = load_config(CONFIG)
     case = Case(cfg, args.size, args.workers, argparse.Namespace(block=None, reps=None))
 
-    tx = local_sgd(case.cfg)
-    state = case.state(tx)
-    step = case.backend.spmd(make_step(case.task.loss, tx))
-    compiled, _ = compile_donated(step, *state, case.x, case.y)
-    runs = {"local SGD": (profile(compiled, state, case.x, case.y, args.steps), compiled)}
+    runs = {"local SGD": profile(*case.build_baseline(), case, args.steps)}
     for entry in [a for a in args.algorithms.split(",") if a]:
         tx, step, group_size = case.build(Program(entry, entry))
-        state = case.state(tx, group_size)
-        compiled, _ = compile_donated(step, *state, case.x, case.y)
-        runs[entry] = (profile(compiled, state, case.x, case.y, args.steps), compiled)
+        runs[entry] = profile(step, case.state(tx, group_size), case, args.steps)
         print(f"# {entry}: profiled", file=sys.stderr, flush=True)
 
     sums, shapes = {}, {}

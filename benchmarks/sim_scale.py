@@ -292,10 +292,14 @@ class Case:
         opt_state = self.backend.spmd(tx.init, group_size=group_size)(params)
         return fresh((params, opt_state))
 
-    def start_baseline(self) -> None:
+    def build_baseline(self):
+        """Local SGD's step (no communication) and its fresh state, as `build` does for an
+        algorithm."""
         tx = local_sgd(self.cfg)
-        state = self.state(tx)
-        step = self.backend.spmd(make_step(self.task.loss, tx))
+        return self.backend.spmd(make_step(self.task.loss, tx)), self.state(tx)
+
+    def start_baseline(self) -> None:
+        step, state = self.build_baseline()
         compiled, self.compile_s["local_sgd"] = compile_donated(step, *state, self.x, self.y)
         self.memory["local_sgd"] = memory(compiled)
         self.base = Runner(compiled, state, self.x, self.y)

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from shoal.comms.collective import (
+    all_to_all_sum,
     check_all_to_all,
     check_op,
     check_perm,
@@ -219,9 +220,9 @@ class AxisCollective:
         """
         check_all_to_all(x, self.size, "reduce_scatter")
         self._check_axis()
-        acc = jnp.promote_types(x.dtype, jnp.float32)
         if not self._simulated():
-            return sum_rows(self.all_to_all(x).astype(acc))
+            return all_to_all_sum(self, x)
+        acc = jnp.promote_types(x.dtype, jnp.float32)
         total = sum_rows(lax.all_gather(x, self.axis_name).astype(acc))  # [size, ...]
         return total[lax.axis_index(self.axis_name)]
 

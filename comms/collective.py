@@ -219,8 +219,22 @@ def reduce_scatter(collective: Collective, x: jax.Array) -> jax.Array:
     own = getattr(collective, "reduce_scatter", None)
     if own is not None:
         return own(x)
+    return all_to_all_sum(collective, x)
+
+
+def all_to_all_sum(collective: Collective, x: jax.Array) -> jax.Array:
+    """`reduce_scatter` as an all-to-all over ``collective``, then this worker's rows summed
+    (`sum_rows`) in ``float32`` or wider."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     return sum_rows(collective.all_to_all(x).astype(acc))
+
+
+def is_simulated(collective: Collective) -> bool:
+    """Whether ``collective``'s workers are rows of arrays in one program: its own
+    ``simulated()`` when it has one (`AxisCollective`, at trace time: True under vmap),
+    else False (MPI ranks, devices)."""
+    simulated = getattr(collective, "simulated", None)
+    return bool(simulated()) if simulated is not None else False
 
 
 def switch_ppermute(

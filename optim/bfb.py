@@ -19,7 +19,7 @@ import optax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
-from shoal.comms.collective import Collective, reduce_scatter
+from shoal.comms.collective import Collective, is_simulated, reduce_scatter
 from shoal.comms.fusion import FusionPlan, plan_fusion
 from shoal.comms.gradient_order import broadcast_order
 from shoal.comms.servers import Layout, ParameterServers
@@ -147,7 +147,7 @@ def bfb_allreduce(
             for k in plan.shard_sizes
         )
         wire = state.wire.record(WireCount.of(sent, sent))
-        if servers is None and all(_simulated(t) for t in tiers):
+        if servers is None and all(is_simulated(t) for t in tiers):
             # Simulated workers: where an element sits in the buffers changes what the
             # exchange costs (counted above from the plan), not its sum over the workers,
             # which is the same dot over their rows either way. Reduced leaf by leaf, the
@@ -199,12 +199,6 @@ def _sent_bytes(n: int, collective, intra, servers) -> int:
     if intra is not None:
         sent += all_gather_bytes(m, local)[0]
     return sent
-
-
-def _simulated(collective) -> bool:
-    # `AxisCollective` under vmap: the workers are rows of arrays in one program.
-    simulated = getattr(collective, "simulated", None)
-    return bool(simulated()) if simulated is not None else False
 
 
 def _mean_by_leaf(updates, dtype, tiers, workers):
