@@ -44,6 +44,7 @@ import jax
 from sim_scale import CONFIG, Case, Program, Runner, compile_donated, fmt_params, n_params
 
 from shoal.experiments.overrides import load_config
+from shoal.experiments.runner import malloc
 
 DEFAULT_ALGORITHMS = "ssgd,gtc,bmuf,onebit_lamb[onebit_freeze_step=10],bfb"
 WARMUP = 12  # steps before the profile: past onebit_freeze_step = 10
@@ -126,6 +127,7 @@ def profile(step, state, case: Case, steps: int) -> tuple[dict[str, float], Any]
 
 
 def main() -> None:
+    malloc.reexec_with_tunables(default="huge")  # as sim_scale and shoal-run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=512, help="MLP width (512: 1.05M params)")
     parser.add_argument("--workers", type=int, default=16)
@@ -157,7 +159,8 @@ def main() -> None:
         f"{args.workers} simulated workers, self time of XLA:CPU's instructions summed over "
         f"its threads, ms per step over {args.steps} steps after {WARMUP} (steps as "
         f"`sim_scale` builds them); "
-        f"{jax.devices()[0].platform}, jax {jax.__version__}; {time.perf_counter() - start:.0f} s"
+        f"{jax.devices()[0].platform}, jax {jax.__version__}, malloc: {malloc.describe()}; "
+        f"{time.perf_counter() - start:.0f} s"
     )
     print("\n### Self time per step by kind of instruction, ms\n")
     labels = list(runs)

@@ -78,8 +78,8 @@ from shoal.experiments import algorithms
 from shoal.experiments.algorithms import BuildContext, local_sgd
 from shoal.experiments.config import ConfigError
 from shoal.experiments.overrides import apply_overrides, load_config
+from shoal.experiments.runner import malloc
 from shoal.experiments.runner.backends import SimBackend
-from shoal.experiments.runner.malloc import reexec_with_tunables
 from shoal.experiments.runner.train import compile_step, make_step
 from shoal.optim import BMUFState
 from shoal.optim.onebit import OneBitLambState
@@ -446,7 +446,7 @@ def chunk_specs(parser, specs: list[str]) -> list[tuple[int, int, int, int]]:
 
 
 def main() -> None:
-    reexec_with_tunables()  # as shoal-run: the heap kept under SHOAL_MALLOC=keep
+    malloc.reexec_with_tunables(default="huge")  # as shoal-run for simulated workers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", help=f"widths or parameter counts (default {DEFAULT_SIZES})")
     parser.add_argument("--workers", help=f"comma-separated N (default {DEFAULT_WORKERS})")
@@ -551,12 +551,7 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, backend={jax.default_backend()}, "
         f"jax {jax.__version__}, load average (1 min) {load_start[0]:.2f} at start, "
-        f"{load_end[0]:.2f} at end; total {wall:.1f} s; malloc: "
-        + (
-            f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"
-            if os.environ.get("GLIBC_TUNABLES")
-            else "glibc defaults (SHOAL_MALLOC=keep not set)"
-        )  # fmt: skip
+        f"{load_end[0]:.2f} at end; total {wall:.1f} s; malloc: {malloc.describe()}"
     )
     print(
         "settings (steps per timed block x reps; bmuf rows: blocks of "

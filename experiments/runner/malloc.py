@@ -1,33 +1,38 @@
-"""glibc malloc settings under which XLA:CPU reuses its large buffers instead of
-re-faulting them every step: opt-in, because they can also double the peak memory.
+"""glibc malloc settings under which XLA:CPU's large buffers cost fewer page faults every
+step: transparent huge pages for simulated workers, the heap kept for one worker per
+process.
 
 XLA:CPU takes every step's temporaries (gradients, all-reduce buffers) from ``malloc``.
 glibc serves an allocation above its mmap threshold (at most 32 MB) with a fresh
 ``mmap`` and gives it back with ``munmap`` on free, so each step pays one page fault per
 4 KiB page of every large buffer, again and again: on a 2-core machine a jitted
 ``x + 1`` on 64 MB takes 18 ms that way and 3.3 ms with the heap kept (a read of the
-same buffer: 1.3 ms). With ``mmap_max=0`` glibc serves large blocks from the heap, with
-the largest ``trim_threshold`` it keeps freed ones for the next step, and with
-``arena_max=1`` every thread (XLA's pool) shares that heap.
+same buffer: 1.3 ms). Two settings (``SHOAL_MALLOC``) take that cost away:
 
-The cost: the heap never shrinks and fragments. At 1.05M parameters x 16 simulated
-workers S-SGD runs at 1.58x local SGD with the heap kept against 2.22x without; at 4.2M
-x 64, GTC's step peaks at 23.8 GB of RSS with it against 10.3 GB without and runs at
-6.6x against 2.7x (`benchmarks/sim_scale.py`). So simulated workers keep glibc's defaults.
+* ``huge``: ``glibc.malloc.hugetlb=1``. glibc asks the kernel for transparent huge pages
+  (``madvise(MADV_HUGEPAGE)``) on the blocks it maps, which then fault 2 MB at a time.
+  Blocks are still unmapped on free, so peak memory is what it was. At 1.05M params x 16
+  simulated workers a local-SGD step takes 39 ms instead of 48 and S-SGD's 40 ms instead
+  of 58; at 4.2M x 64 GTC's step takes 1.47 s instead of 1.68, S-SGD's 0.74 s instead of
+  1.00, with the same peak RSS (10.3 GB) (`benchmarks/sim_scale.py`). Nothing changes
+  where the kernel's THP mode is ``never``.
+* ``keep``: `TUNABLES`. With ``mmap_max=0`` glibc serves large blocks from the heap, with
+  the largest ``trim_threshold`` it keeps freed ones for the next step, and with
+  ``arena_max=1`` every thread (XLA's pool) shares that heap. The heap then never shrinks
+  and fragments: at 4.2M x 64 simulated workers GTC's step peaked at 23.8 GB of RSS with
+  it against 10.3 GB without. One worker per process (MPI ranks, ``jax.distributed``) has
+  no such fragmentation to fear and the most to gain: ``MPICollective.all_reduce`` of 16M
+  float32 on 4 ranks takes 1.7x mpi4py's ``Allreduce`` of NumPy arrays with glibc's
+  defaults (each call faults in a fresh 64 MB result, and MPICH its own 32 MB scratch)
+  and 1.1x with the heap kept (``benchmarks/mpi_allreduce.py``).
 
-One worker per process (MPI ranks, ``jax.distributed``) has no such fragmentation to fear
-and the most to gain: ``MPICollective.all_reduce`` of 16M float32 on 4 ranks takes 1.7x
-mpi4py's ``Allreduce`` of NumPy arrays with glibc's defaults (each call faults in a fresh
-64 MB result, and MPICH its own 32 MB scratch) and 1.1x with the heap kept
-(``benchmarks/mpi_allreduce.py``). So ``shoal-run --backend mpi|jax`` keeps the heap unless
-``SHOAL_MALLOC=system``; simulated workers keep glibc's defaults unless
-``SHOAL_MALLOC=keep``.
-
-``shoal-run``, ``benchmarks/sim_scale.py`` and ``benchmarks/mpi_allreduce.py`` restart
-themselves with `TUNABLES` (`reexec_with_tunables`, first thing: glibc reads
-``GLIBC_TUNABLES`` only when a process starts; under ``mpiexec`` every rank restarts before
-``MPI_Init``). In your own scripts, export ``GLIBC_TUNABLES`` as `TUNABLES` says before
-starting Python (or ``mpiexec``).
+``shoal-run --backend mpi|jax`` keeps the heap and simulated workers take huge pages,
+unless ``SHOAL_MALLOC`` says otherwise (``system``: glibc's defaults).
+``shoal-run``, ``benchmarks/sim_scale.py``, ``benchmarks/sim_profile.py`` and
+``benchmarks/mpi_allreduce.py`` restart themselves with the setting's tunables
+(`reexec_with_tunables`, first thing: glibc reads ``GLIBC_TUNABLES`` only when a process
+starts; under ``mpiexec`` every rank restarts before ``MPI_Init``). In your own scripts,
+export ``GLIBC_TUNABLES`` as `SETTINGS` says before starting Python (or ``mpiexec``).
 """
 
 from __future__ import annotations
@@ -35,37 +40,67 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from pathlib import Path
 
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295:glibc.malloc.arena_max=1"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+SETTINGS = {"huge": HUGE_PAGES, "keep": TUNABLES}  # SHOAL_MALLOC -> GLIBC_TUNABLES added
 _MARK = "SHOAL_MALLOC_REEXEC"
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def wanted(default: str = "system") -> bool:
-    """Whether ``SHOAL_MALLOC`` (``default`` when unset) is ``keep`` and this process does
-    not run under `TUNABLES` yet."""
-    if os.environ.get("SHOAL_MALLOC", default) != "keep" or os.environ.get(_MARK):
+def _thp_possible() -> bool:
+    """Whether the kernel may back a block with transparent huge pages on request."""
+    try:
+        return "[never]" not in _THP.read_text()
+    except OSError:
         return False
+
+
+def wanted(default: str = "system") -> str | None:
+    """The tunables that ``SHOAL_MALLOC`` (``default`` when unset) asks for and this
+    process does not run under yet, or None (``system``, an unknown value, not glibc,
+    restarted once already, or huge pages the kernel cannot give)."""
+    setting = os.environ.get("SHOAL_MALLOC", default)
+    tunables = SETTINGS.get(setting)
+    if tunables is None or os.environ.get(_MARK):
+        return None
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    return "glibc.malloc.mmap_max" not in os.environ.get("GLIBC_TUNABLES", "")
+        return None
+    if setting == "huge" and not _thp_possible():
+        return None
+    have = os.environ.get("GLIBC_TUNABLES", "")
+    if all(t.split("=")[0] in have for t in tunables.split(":")):
+        return None
+    return tunables
 
 
 def reexec_with_tunables(default: str = "system") -> None:
-    """Restart this command (same interpreter, arguments, PID and open files) with
-    `TUNABLES` added to ``GLIBC_TUNABLES`` when ``SHOAL_MALLOC`` is ``keep``; otherwise (or
-    when they are set already) returns at once.
+    """Restart this command (same interpreter, arguments, PID and open files) with the
+    tunables of ``SHOAL_MALLOC`` (`SETTINGS`) added to ``GLIBC_TUNABLES``; returns at once
+    when there are none to add (`wanted`).
 
     Call it before anything starts threads or MPI: ``os.execv`` replaces the process.
 
     Args:
       default: the setting when ``SHOAL_MALLOC`` is unset: ``"system"`` (glibc's
-        defaults) or ``"keep"``.
+        defaults), ``"huge"`` or ``"keep"``.
     """
-    if not wanted(default):
+    tunables = wanted(default)
+    if tunables is None:
         return
     env = dict(os.environ)
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), TUNABLES) if t)
+    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), tunables) if t)
     env[_MARK] = "1"  # once: a glibc that ignores the tunables must not loop
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def describe() -> str:
+    """The malloc setting this process runs under, for a benchmark's header."""
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if not tunables:
+        return "glibc defaults"
+    names = [k for k, v in SETTINGS.items() if v in tunables]
+    return f"GLIBC_TUNABLES={tunables}" + (f" (SHOAL_MALLOC={names[0]})" if names else "")
