@@ -49,6 +49,11 @@ default at the reference model (1M x 64, 32 examples per worker), whose peak is 
 update's (gradients and all-reduce buffers; the activations are small and dead by then),
 and at 0.1M x 64 with 1024 examples per worker, whose peak is the activations'.
 
+Each (size, N) runs in a process of its own (the script restarts itself with ``--case``):
+a step's speed depends on what ran before it in the same process (XLA:CPU's and glibc's
+memory, by up to 25% at 1M x 16 when the smaller cases ran first), and a researcher's run
+has one configuration. The grad_chunk comparisons run in the parent.
+
 By default the grid skips the combinations whose baseline alone would hold more than
 ``2e8`` parameters (4.2M x 64: ~1 GB per copy of the model, about 1.5 s per local step on
 2 cores: too long for the default run); asking for one with ``--sizes``/``--workers`` runs
@@ -61,12 +66,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -457,6 +466,8 @@ def main() -> None:
     parser.add_argument(
         "--block", type=int, help="steps per timed rep (default: 10, 4 where a step > 100 ms)"
     )
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # W,N: one case, in this process
+    parser.add_argument("--json", help=argparse.SUPPRESS)  # where --case writes its results
     parser.add_argument(
         "--chunk-case",
         action="append",
@@ -506,37 +517,59 @@ def main() -> None:
         chunk_cases = [f"{w},{n},{max(1, n // 8)},{base_cfg.batch_size}"]
     chunk_specs(parser, chunk_cases)  # bad specs fail before the long run, not after it
 
+    progs = programs(names, base_cfg)
+    if args.case:  # one case, in this process, for the parent below
+        w, n = (int(v) for v in args.case.split(","))
+        Path(args.json).write_text(json.dumps(run_case(base_cfg, w, n, args, progs)))
+        return
+
     load_start = os.getloadavg()
     wall_start = time.perf_counter()
-    cases: list[Case] = []
-    progs = programs(names, base_cfg)
-    for w, n in grid:
-        start = time.perf_counter()
-        case = Case(base_cfg, w, n, args)
-        case.start_baseline()
-        for prog in progs:
-            t = time.perf_counter()
-            case.measure(prog)
-            print(f"# {fmt_params(w)} x {n} {prog.entry}: {time.perf_counter() - t:.0f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        case.base.check("local SGD")
-        case.seconds = time.perf_counter() - start
-        print(
-            f"# done {fmt_params(w)} x {n} in {case.seconds:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-        cases.append(case)
-
+    cases = [case_in_own_process(w, n, args, names) for w, n in grid]
     chunks = []
     for w, n, k, batch in chunk_specs(parser, chunk_cases):
-        same = (c for c in cases if (c.width, c.n, c.cfg.batch_size) == (w, n, batch))
-        case = next(same, None) or Case(base_cfg, w, n, args, batch=batch)
+        case = Case(base_cfg, w, n, args, batch=batch)
         chunks.append(case.chunk(k, reps=CHUNK_REPS))
     load_end = os.getloadavg()
     wall = time.perf_counter() - wall_start
 
     report(cases, progs, names, base_cfg, skipped, chunks, load_start, load_end, wall)
+
+
+# What `report` reads of a case, as a child process hands it back.
+RESULT_FIELDS = ("width", "n", "block", "reps", "results", "memory", "base_times",
+                 "compile_s", "notes", "seconds")  # fmt: skip
+
+
+def run_case(base_cfg, w: int, n: int, args, progs: list[Program]) -> dict[str, Any]:
+    """Measure one (width, N): the baseline, then every program interleaved with it."""
+    start = time.perf_counter()
+    case = Case(base_cfg, w, n, args)
+    case.start_baseline()
+    for prog in progs:
+        t = time.perf_counter()
+        case.measure(prog)
+        print(f"# {fmt_params(w)} x {n} {prog.entry}: {time.perf_counter() - t:.0f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+    case.base.check("local SGD")
+    case.seconds = time.perf_counter() - start
+    print(f"# done {fmt_params(w)} x {n} in {case.seconds:.0f} s", file=sys.stderr, flush=True)
+    return {k: getattr(case, k) for k in RESULT_FIELDS}
+
+
+def case_in_own_process(w: int, n: int, args, names: list[str]) -> SimpleNamespace:
+    """`run_case` in a fresh process (this script with ``--case``), its results read back."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "case.json"
+        cmd = [sys.executable, __file__, "--case", f"{w},{n}", "--json", str(out)]
+        cmd += ["--algorithms", ",".join(names)]
+        for flag in ("reps", "block"):
+            if getattr(args, flag) is not None:
+                cmd += [f"--{flag}", str(getattr(args, flag))]
+        done = subprocess.run(cmd, stdout=sys.stderr)  # progress and errors as they come
+        if done.returncode:
+            sys.exit(f"sim_scale: case {fmt_params(w)} x {n} failed (exit {done.returncode})")
+        return SimpleNamespace(**json.loads(out.read_text()))
 
 
 def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall) -> None:
