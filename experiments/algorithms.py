@@ -94,7 +94,7 @@ class Algorithm:
     reference: bool = False
     compares_to: str | None = None
     warmup: Callable[[Config], int] | None = None
-    skip_in_place: bool | None = None
+    skip_in_place: bool | str | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -108,7 +108,7 @@ def register(
     context: bool = False,
     policy: str | None = None,
     fields: tuple[str, ...] | None = None,
-    skip_in_place: bool | None = None,
+    skip_in_place: bool | str | None = None,
     **report: Any,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder`` available to configs as ``name``; ``fields``: the

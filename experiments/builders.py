@@ -359,7 +359,7 @@ def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("sma", fields=("sma_alpha",), skip_in_place=True)
+@register("sma", fields=("sma_alpha",), skip_in_place="apply")
 def sma_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Synchronous model averaging (`shoal.optim.sma`) around `local_sgd`: every step
     ``v <- (1 - sma_alpha) v + sma_alpha mean(v)``, then the local update."""

@@ -12,7 +12,9 @@ from shoal.optim.nonfinite import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
     SkipNonFiniteState,
+    SkipNonFiniteTransformation,
     skip_nonfinite,
+    update_and_apply,
 )
 from shoal.optim.onebit import OneBitAdamState, OneBitLambState
 from shoal.optim.onebit_adam import onebit_adam
@@ -41,6 +43,7 @@ __all__ = [
     "PowerSGDState",
     "SMAState",
     "SkipNonFiniteState",
+    "SkipNonFiniteTransformation",
     "StreamingDiLoCoState",
     "TopKState",
     "allreduce_gradients",
@@ -63,4 +66,5 @@ __all__ = [
     "sma",
     "streaming_diloco",
     "topk",
+    "update_and_apply",
 ]

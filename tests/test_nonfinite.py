@@ -46,6 +46,7 @@ from shoal.optim import (
     sma,
     streaming_diloco,
     topk,
+    update_and_apply,
 )
 from shoal.optim.gtc import residual_tree
 from shoal.optim.nonfinite import skipped_steps
@@ -142,9 +143,22 @@ def trajectory(tx, p0, grads):
     return p, updates, states
 
 
+def applied_trajectory(tx, p0, grads):
+    """`trajectory` with each step taken by `update_and_apply`: final params, no updates
+    (None), every step's state."""
+    state = tx.init(p0)
+
+    def body(carry, g):
+        p, s = update_and_apply(tx, g, carry[1], carry[0])
+        return (p, s), s
+
+    (p, _), states = lax.scan(body, (p0, state), grads)
+    return p, None, states
+
+
 def _run(name, grads, nonfinite, in_place=None):
     """``{rank: (params, updates per step, state per step)}``; ``nonfinite=None``: the
-    transformation unwrapped."""
+    transformation unwrapped; ``in_place="apply"``: each step by `update_and_apply`."""
 
     def make(*comms):
         tx = CASES[name](*comms)
@@ -152,11 +166,12 @@ def _run(name, grads, nonfinite, in_place=None):
             return tx
         return skip_nonfinite(tx, collective=comms, nonfinite=nonfinite, in_place=in_place)
 
+    steps = applied_trajectory if in_place == "apply" else trajectory
     p0 = jax.tree.map(lambda x: np.broadcast_to(x, (N, *x.shape)), P0)
     if name in TWO_TIER:
-        fn = lambda intra, inter, p, g: trajectory(make(intra, inter), p, g)
+        fn = lambda intra, inter, p, g: steps(make(intra, inter), p, g)
         return run_two_tier(fn, GROUP, p0, grads)
-    return run_workers(lambda c, p, g: trajectory(make(c), p, g), p0, grads)
+    return run_workers(lambda c, p, g: steps(make(c), p, g), p0, grads)
 
 
 def poisoned(value, step=BAD_STEP, worker=BAD_WORKER):
@@ -180,6 +195,9 @@ def run(name, variant):
         return _run(name, poisoned(bad_value(name)), "skip")
     if variant in ("bad in place", "bad select"):
         return _run(name, poisoned(bad_value(name)), "skip", variant == "bad in place")
+    if variant in ("bad apply", "clean apply"):
+        grads = poisoned(bad_value(name)) if variant == "bad apply" else GRADS
+        return _run(name, grads, "skip", "apply")
     if variant == "without":  # the run that never saw the bad step
         return _run(name, without_step(GRADS), "skip")
     if variant == "clean":
@@ -361,7 +379,9 @@ def test_bad_policy_is_refused_by_name(bad):
     c = AxisCollective("w", 4)
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         skip_nonfinite(optax.sgd(0.1), collective=c, nonfinite=bad)
-    with pytest.raises(ValueError, match="in_place must be None, True or False, got 'yes'"):
+    with pytest.raises(
+        ValueError, match="in_place must be None, True, False or 'apply', got 'yes'"
+    ):
         skip_nonfinite(optax.sgd(0.1), collective=c, in_place="yes")
 
 
@@ -377,10 +397,47 @@ def test_skipping_in_place_or_by_select_is_the_same_run(name):
             same(run(name, variant)[rank], want)
 
 
+# The skip around the update and its application (`update_and_apply`): the same run as the
+# optax form, params and every step's state (the skipped count and idle meters included),
+# with a bad step and without.
+@pytest.mark.parametrize("name", ["sma", "peer_averaging", "allreduce_gradients", "bmuf_gtc"])
+@pytest.mark.parametrize("variant", ["bad", "clean"])
+def test_the_skip_around_update_and_apply_is_the_same_run(name, variant):
+    skip_most_under_mpi(name)
+    for rank, (p, _, states) in run(name, variant).items():
+        p_apply, _, states_apply = run(name, f"{variant} apply")[rank]
+        # The parameters: ``p + u`` is contracted into FMAs differently in the loop.
+        assert_trees_close(p_apply, p)
+        (assert_trees_close if name in FMA_CASES else assert_trees_equal)(states_apply, states)
+
+
+def test_the_skip_around_update_and_apply_raises_too():
+    message = f"NonFiniteGradientError: NaN/Inf in the gradient of 1 of {N} workers"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        _run("allreduce_gradients", poisoned(np.nan), "raise", "apply")
+        jax.effects_barrier()
+
+
+def test_update_and_apply_of_any_other_transformation_is_optax():
+    c = AxisCollective("w", 2)
+    g, p = jnp.array([[1.0, -2.0], [3.0, 0.25]]), jnp.array([[0.5, 0.5], [1.0, 2.0]])
+    for tx in (optax.sgd(0.1), skip_nonfinite(optax.sgd(0.1), collective=c, in_place=True)):
+
+        def both(p, g, tx=tx):
+            u, s = tx.update(g, tx.init(p), p)
+            return (optax.apply_updates(p, u), s), update_and_apply(tx, g, tx.init(p), p)
+
+        want, got = jax.vmap(both, axis_name="w")(p, g)
+        assert_trees_equal(got, want)
+        np.testing.assert_allclose(got[0], p - 0.1 * g)
+    assert skip_nonfinite(optax.sgd(0.1), collective=c).apply_step is None
+
+
 FACTORIES = sorted(
     name
     for name in optim.__all__
-    if inspect.isfunction(getattr(optim, name)) and name != "skip_nonfinite"
+    if inspect.isfunction(getattr(optim, name))
+    and name not in ("skip_nonfinite", "update_and_apply")
 )
 STATES = sorted(name for name in optim.__all__ if name.endswith("State"))
 

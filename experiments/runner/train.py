@@ -21,7 +21,7 @@ from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner import checkpoint, policies, projection
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
-from shoal.optim.nonfinite import NonFiniteGradientError, take_raised
+from shoal.optim.nonfinite import NonFiniteGradientError, take_raised, update_and_apply
 from shoal.optim.readouts import evaluation_params, step_figures
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
@@ -59,8 +59,9 @@ def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False, g
         loss, grads = (x, y) if given else jax.value_and_grad(loss_fn)(params, x, y)
         if inject:
             grads = jax.tree.map(lambda g: g + fault[0].astype(g.dtype), grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        # The update and its application, in one in-place branch where the algorithm's
+        # non-finite skip asks for it (`update_and_apply`).
+        params, opt_state = update_and_apply(tx, grads, opt_state, params)
         # This update's bytes; the host sums them, since a policy change may re-init the
         # exchange (and with it the state's totals since init) mid-run.
         wire = wire_bytes(opt_state, "step")
