@@ -103,7 +103,7 @@ CHUNK_REPS = 2
 MAX_DEFAULT = 2e8  # parameters x workers: larger combinations leave the default grid
 COMPRESS_FREEZE = 10  # onebit_lamb's freeze step for the compression-stage program
 # (local SGD's seconds per step below, steps per timed block, reps): fewer where slow.
-SPEED = [(0.01, 10, 7), (0.04, 10, 5), (0.08, 5, 4), (math.inf, 3, 3)]
+SPEED = [(0.01, 10, 7), (0.04, 10, 5), (0.08, 5, 4), (0.25, 3, 5), (math.inf, 3, 3)]
 # The targets at 1M parameters, 16 and 64 workers (ratio to local SGD).
 TARGETS = {
     "ssgd": 1.2,
@@ -464,7 +464,7 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, help="timed reps per algorithm (default: by speed)")
     parser.add_argument(
-        "--block", type=int, help="steps per timed rep (default: 10, 4 where a step > 100 ms)"
+        "--block", type=int, help="steps per timed rep (default: by speed, see SPEED)"
     )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # W,N: one case, in this process
     parser.add_argument("--json", help=argparse.SUPPRESS)  # where --case writes its results
