@@ -206,9 +206,9 @@ class SkipNonFiniteTransformation(optax.GradientTransformationExtraArgs):
 def update_and_apply(
     tx: optax.GradientTransformation, updates: Any, state: Any, params: Any, **extra_args
 ) -> tuple[Any, Any]:
-    """One training step of ``tx``: ``(params + u, new_state)`` with ``u, new_state =
-    tx.update(updates, state, params)``.
+    """One training step of ``tx``, the update applied to the parameters.
 
+    ``(params + u, new_state)`` with ``u, new_state = tx.update(updates, state, params)``.
     For a `skip_nonfinite` made with ``in_place="apply"`` the skip is taken around the
     update and its application together: the parameters are updated in place in the same
     branch, and ``u`` is never written out (module docstring). Any other transformation
@@ -237,6 +237,10 @@ def update_and_apply(
       >>> print(jax.vmap(step, axis_name="workers")(params, bad))
       [[1. 1.]
        [1. 1.]]
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (skipping a step
+      on an overflow).
     """
     step = getattr(tx, "apply_step", None)
     if step is not None:
