@@ -37,8 +37,8 @@ of the whole model (GTC's residual, which the select would copy) (`benchmarks/si
 A loop still writes the update out, for ``optax.apply_updates`` to read it back after the
 loop. A training step that applies the update itself can take the skip around both with
 `update_and_apply`: with ``in_place="apply"`` the loop updates the parameters in place
-too, and the update is never stored (synchronous model averaging: 1.03x local SGD's step
-instead of 1.24x at 1M params x 16 simulated workers; where the update reads other
+too, and the update is never stored (synchronous model averaging: 1.02x local SGD's step
+instead of 1.24x, side by side at 1M params x 16 simulated workers; where the update reads other
 workers' parameters, as peer averaging does, XLA must copy them instead).
 """
 
