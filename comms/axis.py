@@ -90,10 +90,6 @@ class AxisCollective:
                 f"axis of size {int(actual)}"
             )
 
-    def _simulated(self) -> bool:
-        # shard_map makes its axes manual mesh axes; a vmap axis is not one.
-        return self.axis_name not in jax.sharding.get_abstract_mesh().manual_axes
-
     def simulated(self) -> bool:
         """Whether the workers are simulated: called at trace time, inside the ``vmap`` or
         ``shard_map`` that names ``axis_name``.
@@ -102,7 +98,8 @@ class AxisCollective:
           True inside ``vmap`` (the workers are rows of arrays in one program), False
           inside ``shard_map`` over a mesh axis (each worker is a device).
         """
-        return self._simulated()
+        # shard_map makes its axes manual mesh axes; a vmap axis is not one.
+        return self.axis_name not in jax.sharding.get_abstract_mesh().manual_axes
 
     def rank(self) -> jax.Array:
         """This worker's index along ``axis_name``.
@@ -133,7 +130,7 @@ class AxisCollective:
         """
         check_op(op)
         self._check_axis()
-        simulated = self._simulated()
+        simulated = self.simulated()
 
         def one(x):
             x = jnp.asarray(x)
@@ -167,7 +164,7 @@ class AxisCollective:
           a pytree like ``x`` (unbatched under vmap).
         """
         self._check_axis()
-        if not self._simulated():
+        if not self.simulated():
             return x
         return jax.tree.map(lambda v: lax.all_gather(v, self.axis_name)[0], x)
 
@@ -220,7 +217,7 @@ class AxisCollective:
         """
         check_all_to_all(x, self.size, "reduce_scatter")
         self._check_axis()
-        if not self._simulated():
+        if not self.simulated():
             return all_to_all_sum(self, x)
         acc = jnp.promote_types(x.dtype, jnp.float32)
         total = sum_rows(lax.all_gather(x, self.axis_name).astype(acc))  # [size, ...]
@@ -268,7 +265,7 @@ class AxisCollective:
         """
         root = check_root(root, self.size)
         self._check_axis()
-        if self._simulated():  # worker root's row of the (free, unbatched) gather
+        if self.simulated():  # worker root's row of the (free, unbatched) gather
             return jax.tree.map(lambda x: lax.all_gather(x, self.axis_name)[root], tree)
         is_root = lax.axis_index(self.axis_name) == root
 
@@ -339,7 +336,7 @@ class AxisCollective:
         """
         perms = check_perms(perms, self.size)
         self._check_axis()
-        if not self._simulated():
+        if not self.simulated():
             return switch_ppermute(self, x, perms, index)
         sources = np.zeros((len(perms), self.size), np.int32)
         for k, p in enumerate(perms):
