@@ -64,7 +64,7 @@ def ssgd_adamw(cfg: Config, collective: Any) -> optax.GradientTransformation:
     return optax.chain(tx, optax.adamw(cfg.diloco_inner_lr, weight_decay=cfg.weight_decay))
 
 
-@register("gtc", fields=_GTC, skip_in_place=True)
+@register("gtc", fields=_GTC, skip_in_place=False)
 def gtc_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """Strom's threshold compression of the gradients (`shoal.optim.gtc`), then `local_sgd`."""
     return optax.chain(

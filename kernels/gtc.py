@@ -31,15 +31,20 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from shoal.kernels import dispatch
 from shoal.kernels.gtc_pallas import gtc_pack_pallas, gtc_unpack_pallas
-from shoal.kernels.gtc_reference import gtc_pack_reference, gtc_unpack_reference
+from shoal.kernels.gtc_reference import (
+    gtc_pack_parts_reference,
+    gtc_pack_reference,
+    gtc_unpack_reference,
+)
 
-__all__ = ["gtc_pack", "gtc_unpack"]
+__all__ = ["gtc_pack", "gtc_pack_parts", "gtc_unpack"]
 
 _MAX_SIZE = 2**31 - 1  # indices live in bits 0-30 of a word
 
@@ -170,6 +175,121 @@ def _batchable_reference(capacity: int):
             for x, batched in zip((values, tau, offset), in_batched, strict=True)
         )
         return pack(values, tau, offset), (True, True, True)
+
+    return pack
+
+
+def gtc_pack_parts(
+    parts: Sequence[jax.Array],
+    tau: jax.Array | float,
+    capacity: int,
+    offset: jax.Array | int = 0,
+    *,
+    residuals: Sequence[jax.Array] | None = None,
+    impl: str | None = None,
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """:func:`gtc_pack` of the concatenation of the raveled ``parts``, without forming it.
+
+    The words index the concatenation of ``jnp.ravel(part)`` in order and are exactly
+    :func:`gtc_pack`'s; the remainder comes back as one array per part, in its shape.
+    This is the form for an error-feedback buffer kept leaf by leaf: on the jnp reference
+    no buffer of the whole model is written, and each part's remainder is one
+    element-wise pass that updates a donated part in place. The Pallas kernel packs the
+    concatenation.
+
+    Args:
+      parts: a non-empty sequence of float32 arrays of any shapes, ``n`` elements in all,
+        ``1 <= n <= 2**31 - 1``.
+      tau, capacity, offset, impl: as for :func:`gtc_pack`, over the ``n`` elements.
+      residuals: optional float32 arrays shaped like ``parts``: then the values packed
+        are ``parts[k] + residuals[k]``, added where they are read (error feedback,
+        ``g + r``, without writing the sum out first).
+
+    Returns:
+      ``(words, count, remainders)``: ``words`` and ``count`` as :func:`gtc_pack`'s, and
+      ``remainders`` a list of float32 arrays shaped like ``parts``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shoal.kernels import gtc_pack_parts
+      >>> parts = [jnp.array([0.5, -2.0, 0.1]), jnp.array([[3.0, -0.2, -1.5]])]
+      >>> words, count, remainders = gtc_pack_parts(parts, 1.0, capacity=4)
+      >>> print(words & 0x7FFFFFFF, count)  # indices into the concatenation
+      [1 3 5 0] 3
+      >>> print(remainders[1])
+      [[ 2.  -0.2 -0.5]]
+
+    References:
+      N. Strom, "Scalable distributed DNN training using commodity GPU cloud
+      computing", Interspeech 2015.
+    """
+    use_pallas = dispatch.use_pallas(impl)
+    if isinstance(parts, jax.Array) or not isinstance(parts, (list, tuple)) or not parts:
+        raise TypeError(f"parts must be a non-empty list of arrays, got {type(parts).__name__}")
+    parts = [dispatch.typed_array(x, jnp.float32, f"parts[{i}]") for i, x in enumerate(parts)]
+    if residuals is not None:
+        if not isinstance(residuals, (list, tuple)) or len(residuals) != len(parts):
+            raise TypeError(f"residuals must be a list of {len(parts)} arrays, like parts")
+        residuals = [
+            dispatch.typed_array(r, jnp.float32, f"residuals[{i}]") for i, r in enumerate(residuals)
+        ]
+        for i, (x, r) in enumerate(zip(parts, residuals)):
+            if r.shape != x.shape:
+                raise ValueError(
+                    f"residuals[{i}] must have the shape of parts[{i}], {x.shape}, got {r.shape}"
+                )
+    n = sum(x.size for x in parts)
+    if not 1 <= n <= _MAX_SIZE:
+        raise ValueError(f"parts must hold between 1 and 2**31 - 1 elements in all, got {n}")
+    capacity = _static_int(capacity, "capacity", 1, n)
+    tau = _scalar(tau, "tau", integer=False)
+    if _is_concrete(tau) and not float(tau) > 0:
+        raise ValueError(f"tau must be positive, got {float(tau)}")
+    offset = _scalar(offset, "offset", integer=True)
+    if _is_concrete(offset) and not 0 <= int(offset) < n:
+        raise ValueError(f"offset must be in [0, {n - 1}], got {int(offset)}")
+    offset = offset % n
+    residuals = None if residuals is None else tuple(residuals)
+    return _pack_parts(
+        tuple(parts), residuals, tau, offset, capacity=capacity, use_pallas=use_pallas
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "use_pallas"))
+def _pack_parts(parts, residuals, tau, offset, *, capacity, use_pallas):
+    if use_pallas:
+        if residuals is not None:
+            parts = tuple(x + r for x, r in zip(parts, residuals))
+        flat = jnp.concatenate([jnp.ravel(x) for x in parts])
+        words, count, remainder = _pack(flat, tau, offset, capacity=capacity, use_pallas=True)
+        bounds = [0]
+        for x in parts:
+            bounds.append(bounds[-1] + x.size)
+        pieces = [remainder[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return words, count, [p.reshape(x.shape) for p, x in zip(pieces, parts)]
+    shapes = tuple(x.shape for x in parts)
+    pack = _batchable_parts_reference(capacity, shapes)
+    words, count, remainders = pack(parts, residuals, tau, offset)
+    return words, count, list(remainders)
+
+
+@functools.cache
+def _batchable_parts_reference(capacity: int, shapes: tuple):
+    """`gtc_pack_parts_reference`, batched natively under vmap (see `_batchable_reference`);
+    ``shapes``: the parts' own shapes, in front of which vmap stacks its dimensions."""
+
+    @jax.custom_batching.custom_vmap
+    def pack(parts, residuals, tau, offset):
+        words, count, remainders = gtc_pack_parts_reference(
+            list(parts), tau, capacity, offset, shapes, residuals
+        )
+        return words, count, tuple(remainders)
+
+    @pack.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        grow = lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        out = pack(*jax.tree.map(grow, args, tuple(in_batched)))
+        return out, jax.tree.map(lambda _: True, out)
 
     return pack
 

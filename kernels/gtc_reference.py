@@ -35,7 +35,7 @@ from jax import lax
 
 from shoal import vma
 
-__all__ = ["gtc_pack_reference", "gtc_unpack_reference"]
+__all__ = ["gtc_pack_parts_reference", "gtc_pack_reference", "gtc_unpack_reference"]
 
 GROUP = 64  # elements per group: an 8x8 bit matrix
 SIGN_BIT = -(2**31)  # bit 31 of a word, as an int32
@@ -146,9 +146,43 @@ def sent_window(total: jax.Array, before: jax.Array, capacity: int):
     return s0, shift
 
 
+def _pack_parts(parts: list, tau: jax.Array) -> jax.Array:
+    """`_pack_groups` of the concatenation of the 1-D ``parts``, without concatenating them.
+
+    Each part's whole groups are packed straight from its slice (the slice fuses into the
+    pack's read); a group that straddles parts, at most one per boundary, is assembled
+    from the fewer than 64 elements around it. Only the packed rows (1/16 of the bytes)
+    are concatenated.
+    """
+    rows, pending = [], []  # pending: the start of a group begun by earlier parts
+    for x in parts:
+        pos = 0
+        have = sum(p.shape[0] for p in pending)
+        if have:
+            need = GROUP - have
+            if x.shape[0] < need:
+                pending.append(x)
+                continue
+            pending.append(x[:need])
+            rows.append(_pack_groups(jnp.concatenate(pending), tau))
+            pending, pos = [], need
+        whole = (x.shape[0] - pos) // GROUP * GROUP
+        if whole:
+            rows.append(_pack_groups(x[pos : pos + whole], tau))
+        if pos + whole < x.shape[0]:
+            pending = [x[pos + whole :]]
+    if pending:  # the last group, padded (and masked) by `_pack_groups`
+        rows.append(_pack_groups(jnp.concatenate(pending), tau))
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows)
+
+
 def _locate(values, tau, offset, capacity):
     """Everything up to the bit select, for one 1-D ``values``."""
-    rows = _pack_groups(values, tau)
+    return _locate_rows(_pack_groups(values, tau), offset, capacity)
+
+
+def _locate_rows(rows, offset, capacity):
+    """`_locate` from the packed rows."""
     # A reduce (not a chain of adds), so that XLA materialises it instead of re-evaluating
     # it inside every level of the scan below.
     cnt = jnp.sum(_popcount(rows & 0xFF), axis=1, dtype=jnp.int32)
@@ -234,6 +268,107 @@ def gtc_pack_reference(
         words.reshape(*lead, capacity),
         count.reshape(lead),
         remainder.reshape(*lead, n),
+    )
+
+
+def _sent_bounds(words, count, s0):
+    """Flat-index bounds ``(a, b, c)``: the sent elements are exactly the qualifying ones
+    with ``index < a`` or ``b <= index < c``.
+
+    The words are in increasing index order and their ranks are ``[0, s0)`` then a run
+    from ``shift + s0`` (`sent_window`): the qualifying elements up to the last word of
+    the first run, and those from the first to the last word of the second run.
+    """
+    idx = words & INDEX_MASK
+    last = words.shape[-1] - 1
+    first = jnp.minimum(s0, count)  # words in the first run
+    a = jnp.where(first > 0, idx[jnp.clip(first - 1, 0, last)] + 1, 0)
+    two = count > s0
+    b = jnp.where(two, idx[jnp.clip(s0, 0, last)], 0)
+    c = jnp.where(two, idx[jnp.clip(count - 1, 0, last)] + 1, 0)
+    return a, b, c
+
+
+def _flat_index(shape: tuple) -> jax.Array:
+    """int32 array of ``shape``: each element's index in the row-major raveling."""
+    index, stride = jnp.zeros(shape, jnp.int32), 1
+    for d in reversed(range(len(shape))):
+        index = index + lax.broadcasted_iota(jnp.int32, shape, d) * stride
+        stride *= shape[d]
+    return index
+
+
+def _part_residual(x, start, tau, bounds):
+    """The remainder of one part (flat indices ``start...``), element-wise and in the
+    part's own shape: no scatter and no reshape, so it fuses with the pass that computes
+    ``x`` and updates a donated buffer in place. ``v + (-tau)`` is bit-identical to the
+    flat pack's scatter-add."""
+    a, b, c = bounds
+    index = start + _flat_index(x.shape)
+    sent = _qualifies(x, tau) & ((index < a) | ((index >= b) & (index < c)))
+    return jnp.where(sent, x + jnp.where(x < 0, tau, -tau), x)
+
+
+def gtc_pack_parts_reference(
+    parts: list,
+    tau: jax.Array,
+    capacity: int,
+    offset: jax.Array,
+    shapes: list | None = None,
+    residuals: list | None = None,
+) -> tuple[jax.Array, jax.Array, list]:
+    """jnp reference of :func:`shoal.kernels.gtc_pack_parts` (arguments already validated).
+
+    ``shapes``: the parts' own shapes (default: their shapes), raveled in row-major order;
+    dimensions in front of them are batch dimensions, the same for every part, batched
+    natively like `gtc_pack_reference`. ``residuals``: as for ``gtc_pack_parts``.
+    """
+    if residuals is not None:
+        # Two sums: the remainder's operands pass an optimization barrier (free: no data
+        # moves), so that XLA cannot merge them and fuses each sum into its own pass,
+        # where a single one would be written out in full for both.
+        packed = [g + r for g, r in zip(parts, residuals)]
+        kept = [g + r for g, r in zip(*lax.optimization_barrier((parts, residuals)))]
+    else:
+        packed = kept = parts
+    shapes = [tuple(x.shape) for x in parts] if shapes is None else [tuple(s) for s in shapes]
+    lead = parts[0].shape[: parts[0].ndim - len(shapes[0])]
+    sizes = [math.prod(s) for s in shapes]
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+
+    def locate(xs, tau, offset):
+        flat = [x.reshape(size) for x, size in zip(xs, sizes)]
+        return _locate_rows(_pack_parts(flat, tau), offset, capacity)
+
+    def remainders(xs, tau, words, count, s0):
+        bounds = _sent_bounds(words, count, s0)
+        return [_part_residual(x, lo, tau, bounds) for x, lo in zip(xs, starts)]
+
+    if not lead:
+        located = locate(packed, tau, offset)
+        count, s0 = located[-1], located[3]
+        words = vma.cond(count > 0, _decode, lambda *a: jnp.zeros(capacity, jnp.int32), *located)
+        return words, count, remainders(kept, tau, words, count, s0)
+
+    batch = math.prod(lead)
+    stack = lambda xs: [x.reshape(batch, *shape) for x, shape in zip(xs, shapes)]
+    tau = jnp.broadcast_to(tau, lead).reshape(batch)
+    offset = jnp.broadcast_to(offset, lead).reshape(batch)
+    located = jax.vmap(locate)(stack(packed), tau, offset)
+    count, s0 = located[-1], located[3]
+    words = vma.cond(
+        jnp.any(count > 0),
+        jax.vmap(_decode),
+        lambda *a: jnp.zeros((batch, capacity), jnp.int32),
+        *located,
+    )
+    kept = jax.vmap(remainders)(stack(kept), tau, words, count, s0)
+    return (
+        words.reshape(*lead, capacity),
+        count.reshape(lead),
+        [r.reshape(x.shape) for r, x in zip(kept, parts)],
     )
 
 

@@ -26,7 +26,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
-from shoal.kernels import gtc_pack, gtc_unpack
+from shoal.kernels import gtc_pack_parts, gtc_unpack
 from shoal.optim.validation import check_collective, check_floating_leaves, check_positive, checked
 from shoal.trees import find_instances
 
@@ -37,10 +37,10 @@ class GTCState(NamedTuple):
     """State of `gtc`.
 
     Attributes:
-      residual: float32[n], everything not sent yet, flat: the params' leaves raveled
-        and concatenated in ``jax.tree.leaves`` order (the order of the exchanged
-        buffer; `residual_tree` gives it the params' shapes). Kept flat so that a step
-        does not concatenate and split it again.
+      residual: everything not sent yet, a float32 tree like the params. The exchanged
+        buffer is its leaves raveled and concatenated in ``jax.tree.leaves`` order; it is
+        never materialised (`shoal.kernels.gtc_pack_parts`), so each leaf is updated in
+        place.
       offset: int32 start of the cyclic selection window for the next step.
       sent: int32 elements this worker sent in the most recent update (its density is
         ``sent / n``; the wire always carries the full ``capacity`` buffer).
@@ -151,13 +151,11 @@ def gtc(
     def init_fn(params):
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
-        _, n = layout(params)
-        # The flat residual has no tree structure of its own: `update` checks the
-        # gradient's against those seen here.
+        layout(params)
         leaves, treedef = jax.tree.flatten(params)
         inits.add((treedef, tuple(jnp.shape(x) for x in leaves)))
         return GTCState(
-            residual=jnp.zeros((n,), jnp.float32),
+            residual=jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params),
             offset=jnp.zeros((), jnp.int32),
             sent=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
@@ -169,13 +167,16 @@ def gtc(
         leaves, treedef = jax.tree.flatten(updates)
         sizes, n = layout(updates)
         shapes = (treedef, tuple(jnp.shape(x) for x in leaves))
-        if n != state.residual.shape[-1] or (inits and shapes not in inits):
+        r_leaves, r_treedef = jax.tree.flatten(state.residual)
+        if (inits and shapes not in inits) or shapes != (
+            r_treedef,
+            tuple(map(jnp.shape, r_leaves)),
+        ):
             show = lambda d, sh: str(jax.tree.unflatten(d, [tuple(x) for x in sh]))
             expected = " or ".join(show(*i) for i in inits) or "the params given to init"
             raise ValueError(
                 f"gtc: the gradient (updates) must have the tree structure and leaf shapes "
-                f"of the params given to init, {expected} ({state.residual.shape[-1]} "
-                f"elements); got {show(*shapes)} ({n} elements)"
+                f"of the params given to init, {expected}; got {show(*shapes)} ({n} elements)"
             )
         if n == 0:
             return updates, state
@@ -183,13 +184,11 @@ def gtc(
         tau = jnp.asarray(threshold, jnp.float32)
 
         check_sharded_alike("gtc", leaves, collective)
-        r = state.residual
-        # a = g + r, added leaf by leaf inside the concatenation so that XLA writes the flat
-        # buffer in one fused pass rather than materialising the flat gradient first.
-        a = jnp.concatenate(
-            [jnp.ravel(x).astype(jnp.float32) + p for x, p in zip(leaves, _split(r, sizes))]
-        )
-        words, count, remainder = gtc_pack(a, tau, cap, state.offset)
+        # a = g + r, leaf by leaf, added where the pack reads it and where each leaf's
+        # remainder is written in place of its residual: no buffer of the whole model.
+        grads = [x.astype(jnp.float32) for x in leaves]
+        words, count, remainders = gtc_pack_parts(grads, tau, cap, state.offset, residuals=r_leaves)
+        residual = jax.tree.unflatten(r_treedef, remainders)
 
         header = count.astype(jnp.int32)
         gathered = collective.all_gather(jnp.concatenate([header[None], words]))
@@ -199,7 +198,7 @@ def gtc(
         # (cap words + 1 header) int32 per worker, all-gathered.
         wire = WireCount.of(*all_gather_bytes(4 * (cap + 1), n_workers))
         offset = ((state.offset.astype(jnp.uint32) + cap) % n).astype(jnp.int32)
-        new_state = GTCState(remainder, offset, header, state.wire.record(wire))
+        new_state = GTCState(residual, offset, header, state.wire.record(wire))
         return jax.tree.unflatten(treedef, _split_like(total, sizes, leaves)), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, checked("gtc", GTCState, update_fn))
@@ -219,6 +218,9 @@ def _split_like(flat, sizes, leaves):
 def residual_tree(state: GTCState, params: Any) -> Any:
     """``state.residual`` with the tree structure and leaf shapes of ``params``.
 
+    The residual is kept as such a tree; a flat one (the float32[n] buffer of states made
+    before the residual was kept leaf by leaf) is split and reshaped.
+
     Args:
       state: a `GTCState` (of one worker, or stacked over leading worker dimensions).
       params: the params (or gradient) tree given to ``init``, or their shapes.
@@ -237,6 +239,8 @@ def residual_tree(state: GTCState, params: Any) -> Any:
       {'b': (2,), 'w': (2, 3)}
     """
     leaves, treedef = jax.tree.flatten(params)
+    if jax.tree.structure(state.residual) == treedef:
+        return state.residual
     sizes = [int(math.prod(jnp.shape(x))) for x in leaves]
     lead = state.residual.shape[:-1]
     parts = [p.reshape(*lead, *jnp.shape(x)) for p, x in zip(_split(state.residual, sizes), leaves)]

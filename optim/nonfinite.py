@@ -31,8 +31,7 @@ copy it. Its collectives then run on a bad step too, on every worker alike, and 
 results are discarded with the rest (the wire count still reports 0 bytes for them).
 ``in_place`` overrides the choice: an update that mixes other workers' values into the
 parameters (peer and model averaging) runs faster in the loop, because the select makes
-XLA copy the momentum and the new parameters, and so does one that rewrites a flat buffer
-of the whole model (GTC's residual, which the select would copy) (`benchmarks/sim_scale.py`).
+XLA copy the momentum and the new parameters (`benchmarks/sim_scale.py`).
 
 A loop still writes the update out, for ``optax.apply_updates`` to read it back after the
 loop. A training step that applies the update itself can take the skip around both with
@@ -302,9 +301,9 @@ def skip_nonfinite(
         state; ``None``: in place when ``inner`` may pass most of its state through
         unchanged (module docstring). In place is faster for an update that mixes in
         other workers' values element-wise (peer and model averaging, partial exchange:
-        the select would make XLA copy the momentum and the new parameters) and for
-        GTC (the select would copy its flat residual); a select for one whose update is
-        an all-reduced value plus local state (S-SGD).
+        the select would make XLA copy the momentum and the new parameters); a select
+        for one whose update is an all-reduced value plus local state (S-SGD, GTC, whose
+        residual's select fuses into the pass that writes it).
 
     Returns:
       a `SkipNonFiniteTransformation` (an ``optax.GradientTransformationExtraArgs``)

@@ -144,7 +144,7 @@ def test_nonfinite_gradient_skips_step_on_every_worker():
         u_flat = flat(jax.tree.map(lambda x: np.asarray(x)[None], u))[0]
         np.testing.assert_allclose(u_flat[0], agg0[0], rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(u_flat[1:], 0.0)
-        res = np.asarray(state.inner_state.residual)
+        res = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.inner_state.residual)])
         assert np.isfinite(res).all()
         np.testing.assert_allclose(res, r[rank], rtol=1e-6, atol=1e-6)
         assert int(state.skipped) == 2
@@ -192,8 +192,8 @@ def test_integer_gradients_rejected():
 
 
 def test_mismatched_gradient_is_refused():
-    # The residual is one flat buffer, so a gradient of the same size but other leaves would
-    # be added to the wrong elements: refused, naming both layouts.
+    # A gradient of the same size but other leaves would scramble the exchanged buffer's
+    # layout: refused, naming both layouts.
     tx = gtc(0.5, collective=AxisCollective("w", 1))
     state = jax.vmap(tx.init)({"a": jnp.zeros((1, 2)), "b": jnp.zeros((1, 2, 3))})
     update = jax.vmap(tx.update, axis_name="w")
@@ -204,7 +204,10 @@ def test_mismatched_gradient_is_refused():
         update(same_size, state)
     with pytest.raises(ValueError, match=r"gtc: .*got \{'a': \(2,\)\} \(2 elements\)"):
         update({"a": jnp.zeros((1, 2))}, state)
-    # The flat residual maps back to the params' leaves, stacked over the workers.
+    # The residual is a tree like the params; a flat one (states made before it was kept
+    # leaf by leaf) maps back to the params' leaves, stacked over the workers.
+    tree = residual_tree(state, {"a": jnp.zeros(2), "b": jnp.zeros((2, 3))})
+    assert jax.tree.map(jnp.shape, tree) == {"a": (1, 2), "b": (1, 2, 3)}
     flat = jnp.arange(8.0)[None]
     tree = residual_tree(state._replace(residual=flat), {"a": jnp.zeros(2), "b": jnp.zeros((2, 3))})
     np.testing.assert_array_equal(tree["a"], [[0, 1]])
