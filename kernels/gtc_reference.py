@@ -298,13 +298,14 @@ def _flat_index(shape: tuple) -> jax.Array:
     return index
 
 
-def _part_residual(x, start, tau, bounds):
-    """The remainder of one part (flat indices ``start...``), element-wise and in the
-    part's own shape: no scatter and no reshape, so it fuses with the pass that computes
-    ``x`` and updates a donated buffer in place. ``v + (-tau)`` is bit-identical to the
-    flat pack's scatter-add."""
+def _part_residual(x, start, shape, tau, bounds):
+    """The remainder of one part (flat indices ``start...`` of its own ``shape``, behind
+    any leading batch dimensions; ``tau`` and ``bounds`` broadcast against ``x``),
+    element-wise and in the part's own layout: no scatter and no reshape, so it fuses
+    with the pass that computes ``x`` and updates a donated buffer in place.
+    ``v + (-tau)`` is bit-identical to the flat pack's scatter-add."""
     a, b, c = bounds
-    index = start + _flat_index(x.shape)
+    index = start + _flat_index(shape)
     sent = _qualifies(x, tau) & ((index < a) | ((index >= b) & (index < c)))
     return jnp.where(sent, x + jnp.where(x < 0, tau, -tau), x)
 
@@ -343,8 +344,14 @@ def gtc_pack_parts_reference(
         return _locate_rows(_pack_parts(flat, tau), offset, capacity)
 
     def remainders(xs, tau, words, count, s0):
-        bounds = _sent_bounds(words, count, s0)
-        return [_part_residual(x, lo, tau, bounds) for x, lo in zip(xs, starts)]
+        # Batched by broadcasting, not by vmap: a reshape of the batch dimensions around
+        # the pass would keep XLA from writing it in place of the donated residual.
+        bounds = (jax.vmap(_sent_bounds) if lead else _sent_bounds)(words, count, s0)
+        out = []
+        for x, shape, start in zip(xs, shapes, starts):
+            expand = lambda v, shape=shape: jnp.reshape(v, (*lead, *[1] * len(shape)))
+            out.append(_part_residual(x, start, shape, expand(tau), tuple(map(expand, bounds))))
+        return out
 
     if not lead:
         located = locate(packed, tau, offset)
@@ -364,11 +371,10 @@ def gtc_pack_parts_reference(
         lambda *a: jnp.zeros((batch, capacity), jnp.int32),
         *located,
     )
-    kept = jax.vmap(remainders)(stack(kept), tau, words, count, s0)
     return (
         words.reshape(*lead, capacity),
         count.reshape(lead),
-        [r.reshape(x.shape) for r, x in zip(kept, parts)],
+        remainders(kept, tau.reshape(lead), words, count, s0),
     )
 
 
