@@ -168,10 +168,8 @@ def gtc(
         sizes, n = layout(updates)
         shapes = (treedef, tuple(jnp.shape(x) for x in leaves))
         r_leaves, r_treedef = jax.tree.flatten(state.residual)
-        if (inits and shapes not in inits) or shapes != (
-            r_treedef,
-            tuple(map(jnp.shape, r_leaves)),
-        ):
+        r_shapes = (r_treedef, tuple(jnp.shape(r) for r in r_leaves))
+        if (inits and shapes not in inits) or shapes != r_shapes:
             show = lambda d, sh: str(jax.tree.unflatten(d, [tuple(x) for x in sh]))
             expected = " or ".join(show(*i) for i in inits) or "the params given to init"
             raise ValueError(
