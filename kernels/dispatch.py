@@ -32,17 +32,15 @@ def typed_array(x: Any, dtype: Any, name: str) -> jax.Array:
 
 
 def batched(fn: Any) -> Any:
-    """``fn`` with a vmap rule that calls it on the stacked arrays (the Pallas wrappers take
-    leading dimensions natively), instead of pallas_call's generic grid batching."""
+    """``fn`` with a vmap rule that calls it on the stacked arrays (the Pallas wrappers and
+    the GTC reference take leading dimensions natively), instead of pallas_call's generic
+    grid batching or plain vmap's; the arguments may be pytrees of arrays."""
     wrapped = jax.custom_batching.custom_vmap(fn)
 
     @wrapped.def_vmap
     def _rule(axis_size, in_batched, *args):
-        args = [
-            x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
-            for x, batched in zip(args, in_batched, strict=True)
-        ]
-        out = wrapped(*args)
+        grow = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+        out = wrapped(*jax.tree.map(grow, args, tuple(in_batched)))
         return out, jax.tree.map(lambda _: True, out)
 
     return wrapped

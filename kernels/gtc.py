@@ -80,6 +80,19 @@ def _scalar(x, name: str, integer: bool) -> jax.Array:
     return jnp.asarray(x, jnp.int32 if integer else jnp.float32)
 
 
+def _pack_arguments(n: int, capacity, tau, offset) -> tuple[int, jax.Array, jax.Array]:
+    """``capacity``, ``tau`` and ``offset`` of a pack of ``n`` values, checked (each error
+    names its parameter); ``offset`` taken modulo ``n``."""
+    capacity = _static_int(capacity, "capacity", 1, n)
+    tau = _scalar(tau, "tau", integer=False)
+    if _is_concrete(tau) and not float(tau) > 0:
+        raise ValueError(f"tau must be positive, got {float(tau)}")
+    offset = _scalar(offset, "offset", integer=True)
+    if _is_concrete(offset) and not 0 <= int(offset) < n:
+        raise ValueError(f"offset must be in [0, {n - 1}], got {int(offset)}")
+    return capacity, tau, offset % n
+
+
 def gtc_pack(
     values: jax.Array,
     tau: jax.Array | float,
@@ -136,14 +149,7 @@ def gtc_pack(
     n = values.shape[0]
     if n > _MAX_SIZE:
         raise ValueError(f"values must have at most 2**31 - 1 elements, got {n}")
-    capacity = _static_int(capacity, "capacity", 1, n)
-    tau = _scalar(tau, "tau", integer=False)
-    if _is_concrete(tau) and not float(tau) > 0:
-        raise ValueError(f"tau must be positive, got {float(tau)}")
-    offset = _scalar(offset, "offset", integer=True)
-    if _is_concrete(offset) and not 0 <= int(offset) < n:
-        raise ValueError(f"offset must be in [0, {n - 1}], got {int(offset)}")
-    offset = offset % n
+    capacity, tau, offset = _pack_arguments(n, capacity, tau, offset)
     return _pack(values, tau, offset, capacity=capacity, use_pallas=use_pallas)
 
 
@@ -163,20 +169,9 @@ def _batchable_reference(capacity: int):
     then re-evaluates the decode per use (several times slower). The rule instead calls
     the reference on the stacked arrays; nested vmaps stack further leading dimensions.
     """
-
-    @jax.custom_batching.custom_vmap
-    def pack(values, tau, offset):
-        return gtc_pack_reference(values, tau, capacity, offset)
-
-    @pack.def_vmap
-    def _rule(axis_size, in_batched, values, tau, offset):
-        values, tau, offset = (
-            x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
-            for x, batched in zip((values, tau, offset), in_batched, strict=True)
-        )
-        return pack(values, tau, offset), (True, True, True)
-
-    return pack
+    return dispatch.batched(
+        lambda values, tau, offset: gtc_pack_reference(values, tau, capacity, offset)
+    )
 
 
 def gtc_pack_parts(
@@ -241,14 +236,7 @@ def gtc_pack_parts(
     n = sum(x.size for x in parts)
     if not 1 <= n <= _MAX_SIZE:
         raise ValueError(f"parts must hold between 1 and 2**31 - 1 elements in all, got {n}")
-    capacity = _static_int(capacity, "capacity", 1, n)
-    tau = _scalar(tau, "tau", integer=False)
-    if _is_concrete(tau) and not float(tau) > 0:
-        raise ValueError(f"tau must be positive, got {float(tau)}")
-    offset = _scalar(offset, "offset", integer=True)
-    if _is_concrete(offset) and not 0 <= int(offset) < n:
-        raise ValueError(f"offset must be in [0, {n - 1}], got {int(offset)}")
-    offset = offset % n
+    capacity, tau, offset = _pack_arguments(n, capacity, tau, offset)
     residuals = None if residuals is None else tuple(residuals)
     return _pack_parts(
         tuple(parts), residuals, tau, offset, capacity=capacity, use_pallas=use_pallas
@@ -275,23 +263,16 @@ def _pack_parts(parts, residuals, tau, offset, *, capacity, use_pallas):
 
 @functools.cache
 def _batchable_parts_reference(capacity: int, shapes: tuple):
-    """`gtc_pack_parts_reference`, batched natively under vmap (see `_batchable_reference`);
+    """`gtc_pack_parts_reference`, batched natively like `_batchable_reference`;
     ``shapes``: the parts' own shapes, in front of which vmap stacks its dimensions."""
 
-    @jax.custom_batching.custom_vmap
     def pack(parts, residuals, tau, offset):
         words, count, remainders = gtc_pack_parts_reference(
             list(parts), tau, capacity, offset, shapes, residuals
         )
         return words, count, tuple(remainders)
 
-    @pack.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        grow = lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-        out = pack(*jax.tree.map(grow, args, tuple(in_batched)))
-        return out, jax.tree.map(lambda _: True, out)
-
-    return pack
+    return dispatch.batched(pack)
 
 
 def gtc_unpack(

@@ -146,7 +146,7 @@ def sent_window(total: jax.Array, before: jax.Array, capacity: int):
     return s0, shift
 
 
-def _pack_parts(parts: list, tau: jax.Array) -> jax.Array:
+def _rows_of_parts(parts: list, tau: jax.Array) -> jax.Array:
     """`_pack_groups` of the concatenation of the 1-D ``parts``, without concatenating them.
 
     Each part's whole groups are packed straight from its slice (the slice fuses into the
@@ -341,7 +341,7 @@ def gtc_pack_parts_reference(
 
     def locate(xs, tau, offset):
         flat = [x.reshape(size) for x, size in zip(xs, sizes)]
-        return _locate_rows(_pack_parts(flat, tau), offset, capacity)
+        return _locate_rows(_rows_of_parts(flat, tau), offset, capacity)
 
     def remainders(xs, tau, words, count, s0):
         # Batched by broadcasting, not by vmap: a reshape of the batch dimensions around

@@ -367,19 +367,19 @@ def skip_nonfinite(
         return SkipNonFiniteState(inner_state, skipped, state.wire.record(wire))
 
     def apply_step(updates, state, params, **extra_args):
-        """`update_and_apply`: params, inner state and gradient in one in-place branch."""
+        """`update_and_apply`: params and inner state in one in-place branch."""
 
         def run(carry):
-            p, s, g = carry
-            u, s = inner.update(g, s, p, **extra_args)
-            return optax.apply_updates(p, u), s, g
+            p, s = carry
+            u, s = inner.update(updates, s, p, **extra_args)
+            return optax.apply_updates(p, u), s
 
-        carry = (params, state.inner_state, updates)
+        carry = (params, state.inner_state)
         if not jax.tree.leaves(updates) or not keeps_shape(run, carry):
             new_updates, state = update_fn(updates, state, params, **extra_args)
             return optax.apply_updates(params, new_updates), state
         bad, wire = flag(updates)
-        params, inner_state, _ = run_if(bad == 0, run, carry)
+        params, inner_state = run_if(bad == 0, run, carry)
         return params, counted(state, bad, _idle_unless(bad == 0, inner_state), wire)
 
     tx = SkipNonFiniteTransformation(
