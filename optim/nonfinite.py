@@ -292,7 +292,8 @@ def skip_nonfinite(
         an optimizer.
       collective: the workers that must skip together, all of them: one collective, or
         a two-tier algorithm's ``(intra, inter)`` (the count is summed over each).
-      nonfinite: ``"skip"`` or ``"raise"``.
+      nonfinite: ``"skip"`` or ``"raise"`` (which always skips in the loop, below: no
+        collective of ``inner`` runs on the step that raises).
       in_place: how a step is skipped, for speed only (the same results, but for how XLA
         contracts multiply-adds into FMAs); ``"apply"``: as ``True``, and `update_and_apply`
         takes the skip around the update's application as well:
@@ -351,7 +352,10 @@ def skip_nonfinite(
             new_updates, inner_state = run((updates, state.inner_state))
             return new_updates, state._replace(inner_state=inner_state, wire=state.wire.idle())
         bad, wire = flag(updates)
-        loop = True if in_place == "apply" else in_place
+        # "raise": a branch, never the select, so that on the bad step no collective runs
+        # after the flag. With the select a rank could raise and leave its step while
+        # another still waits in the update's exchange (an MPI job would hang).
+        loop = True if in_place == "apply" or nonfinite == "raise" else in_place
         new_updates, inner_state = _apply_if(bad == 0, run, updates, state.inner_state, loop)
         return new_updates, counted(state, bad, inner_state, wire)
 
