@@ -36,12 +36,14 @@ from shoal.experiments.overrides import flatten
 from shoal.experiments.runner.checkpoint_files import (
     COMMITTED,
     FORMAT,
+    KEEP,
     CheckpointError,
     commit,
     open_manager,
     read,
     read_meta,
     save_args,
+    uncommit,
 )
 
 # Fields that may change between a run and its resumption without changing the training
@@ -153,14 +155,21 @@ class Checkpointer:
         """Delete this process's checkpoints after step ``newer_than`` (all by default)."""
         for step in self.steps():
             if step > newer_than:
-                self._manager().delete(step)
+                self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        uncommit(self.path(step))  # first: a half-deleted step is never a committed one
+        self._manager().delete(step)
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write ``state`` (see `pack`) as step ``step``; keep the latest `KEEP` ones.
         Returns when the checkpoint is complete on disk."""
         manager = self._manager()
         if step in manager.all_steps():
-            manager.delete(step)  # orbax never overwrites: a step saved again replaces it
+            self._delete(step)  # orbax never overwrites: a step saved again replaces it
+        # The steps this save pushes out of the latest KEEP, which orbax deletes in `save`.
+        for old in sorted({*manager.all_steps(), step})[:-KEEP]:
+            uncommit(self.path(old))
         manager.save(step, args=save_args(state, {**self.meta, "step": step}), force=True)
         commit(self.path(step))
         return self.path(step)

@@ -168,6 +168,21 @@ def save_args(state: dict[str, Any], meta: dict[str, Any]) -> ocp.args.Composite
     return ocp.args.Composite(arrays=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta))
 
 
+def uncommit(step: Path) -> None:
+    """Take the commit marker off the step folder ``step`` before it is deleted, and make
+    that durable: a job killed while orbax removes the folder must not leave a committed
+    step with some of its files gone (tests/test_faults.py)."""
+    marker = step / COMMITTED
+    if not marker.exists():
+        return
+    marker.unlink()
+    fd = os.open(step, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit(step: Path) -> None:
     """Mark the step folder ``step`` committed once every file of it is on disk: orbax's
     rename alone is not enough (a job killed by SIGKILL while saving left a renamed step
