@@ -16,8 +16,10 @@ arrays 64x smaller or of size ``capacity``:
    first qualifying element;
 3. the cyclic ``offset``/``capacity`` rule becomes two windows of sent ranks; each output
    slot gets its rank, the group holding that rank (group start slots scattered into
-   slot space, then a scan over the ``capacity`` slots), and the bit of that rank inside
-   the group (an 8x8 bit transpose into index order, then a 6-step select);
+   slot space, then a scan over the slots), and the bit of that rank inside the group
+   (an 8x8 bit transpose into index order, then a 6-step select). This runs over the
+   fewest of ``capacity, capacity / 2, ... capacity / 16`` slots that hold the count
+   (`slot_sizes`; the unpack likewise), so a step costs what it sends, not its capacity;
 4. the residual is ``values`` with ``-+tau`` scatter-added at the sent indices only: in
    place when the caller donates ``values``, and bit-identical everywhere else.
 
@@ -40,6 +42,8 @@ __all__ = ["gtc_pack_parts_reference", "gtc_pack_reference", "gtc_unpack_referen
 GROUP = 64  # elements per group: an 8x8 bit matrix
 SIGN_BIT = -(2**31)  # bit 31 of a word, as an int32
 INDEX_MASK = 2**31 - 1  # bits 0-30 of a word
+SLOT_HALVINGS = 4  # a decode runs over capacity, capacity / 2, ... / 2**4 slots
+MIN_SLOTS = 1024  # no decode branch over fewer slots than this (but for a smaller capacity)
 
 
 def _qualifies(v: jax.Array, tau: jax.Array) -> jax.Array:
@@ -200,13 +204,37 @@ def _locate_rows(rows, offset, capacity):
     )
     s0, shift = sent_window(total, before, capacity)
     count = jnp.minimum(total, capacity)
-
-    # Slot of each group's first sent element; the group holding slot s is the number of
-    # groups g >= 1 whose first slot is <= s.
+    # Slot of each group's first sent element (non-decreasing over the groups).
     first_slot = jnp.minimum(start, s0) + jnp.clip(start - shift - s0, 0, capacity - s0)
-    marks = jnp.zeros(capacity, jnp.int32).at[first_slot[1:]].add(1, mode="drop")
+    return rows, start, first_slot, s0, shift, count
+
+
+def slot_sizes(capacity: int) -> list[int]:
+    """The static numbers of slots a decode runs over, smallest first: ``capacity`` and its
+    halvings down to ``capacity / 2**SLOT_HALVINGS`` (those of at least `MIN_SLOTS`)."""
+    sizes = {capacity}
+    for j in range(1, SLOT_HALVINGS + 1):
+        if -(-capacity // 2**j) >= MIN_SLOTS:
+            sizes.add(-(-capacity // 2**j))
+    return sorted(sizes)
+
+
+def slot_branch(count: jax.Array, sizes: list[int]) -> jax.Array:
+    """The branch that decodes ``count`` (its largest entry): 0 when every count is 0,
+    else ``1 + j`` for the smallest ``sizes[j]`` that holds it. One scalar, so that the
+    branch stays a branch under the natively batched pack and unpack."""
+    most = jnp.max(count)
+    smaller = sum((most > s).astype(jnp.int32) for s in sizes[:-1])
+    return jnp.where(most > 0, 1 + smaller, 0)
+
+
+def _slot_groups(rows, start, first_slot, *, slots):
+    """For each of the first ``slots`` slots: its group's packed row, the rank of the
+    group's first qualifying element, and the group."""
+    # The group holding slot s is the number of groups g >= 1 whose first slot is <= s.
+    marks = jnp.zeros(slots, jnp.int32).at[first_slot[1:]].add(1, mode="drop")
     group = _inclusive_cumsum(marks)
-    return rows[group], start[group], group, s0, shift, count
+    return rows[group], start[group], group
 
 
 def _decode(rows, start_g, group, s0, shift, count):
@@ -222,6 +250,43 @@ def _decode(rows, start_g, group, s0, shift, count):
     negative = (column >> (8 + j).astype(jnp.uint16)) & 1 == 1
     # One output only: XLA:CPU would re-evaluate the whole chain for each extra output.
     return jnp.where(slot < count, (group * GROUP + pos) | jnp.where(negative, SIGN_BIT, 0), 0)
+
+
+def _words(located, capacity: int, batched: bool) -> jax.Array:
+    """The ``capacity`` words of each buffer (``located``: `_locate_rows`'s, batched over a
+    leading axis or not).
+
+    Every step of the decode works per slot, yet only ``count`` of the ``capacity`` slots
+    carry a word (at most a fifth of them at `sim_scale`'s reference model). So it runs
+    in a branch over the fewest slots of `slot_sizes` that hold every buffer's count, and
+    the words are padded with zeros to ``capacity``.
+    """
+    count = located[-1]
+    sizes = slot_sizes(capacity)
+
+    def decoder(slots):
+        def run(rows, start, first_slot, s0, shift, count):
+            groups = functools.partial(_slot_groups, slots=slots)
+            located = (jax.vmap(groups) if batched else groups)(rows, start, first_slot)
+            # The decode proper in a branch of its own (taken whenever this one is): XLA
+            # materialises its operands, where fused into the bit-select chain it would
+            # re-evaluate the gathers per use (about 7x slower).
+            words = vma.cond(
+                jnp.max(count) > 0,
+                jax.vmap(_decode) if batched else _decode,
+                lambda *a: jnp.zeros((*count.shape, slots), jnp.int32),
+                *located,
+                s0,
+                shift,
+                count,
+            )
+            return jnp.pad(words, [(0, 0)] * (words.ndim - 1) + [(0, capacity - slots)])
+
+        return run
+
+    zeros = lambda *a: jnp.zeros((*count.shape, capacity), jnp.int32)
+    branches = [zeros] + [decoder(s) for s in sizes]
+    return vma.switch(slot_branch(count, sizes), branches, *located)
 
 
 def _residual(values, tau, words, count):
@@ -242,13 +307,10 @@ def gtc_pack_reference(
     """
     *lead, n = values.shape
     locate = functools.partial(_locate, capacity=capacity)
-    # The decode runs in a branch: its operands are then materialised, whereas fused
-    # into the bit-select chain XLA:CPU would re-evaluate the gathers per use (about 7x
-    # slower). The predicate is one scalar, so that the branch survives batching.
     if not lead:
         located = locate(values, tau, offset)
         count = located[-1]
-        words = vma.cond(count > 0, _decode, lambda *a: jnp.zeros(capacity, jnp.int32), *located)
+        words = _words(located, capacity, batched=False)
         return words, count, _residual(values, tau, words, count)
 
     batch = math.prod(lead)
@@ -257,12 +319,7 @@ def gtc_pack_reference(
     offset = jnp.broadcast_to(offset, lead).reshape(batch)
     located = jax.vmap(locate)(values, tau, offset)
     count = located[-1]
-    words = vma.cond(
-        jnp.any(count > 0),
-        jax.vmap(_decode),
-        lambda *a: jnp.zeros((batch, capacity), jnp.int32),
-        *located,
-    )
+    words = _words(located, capacity, batched=True)
     remainder = jax.vmap(_residual)(values, tau, words, count)
     return (
         words.reshape(*lead, capacity),
@@ -356,7 +413,7 @@ def gtc_pack_parts_reference(
     if not lead:
         located = locate(packed, tau, offset)
         count, s0 = located[-1], located[3]
-        words = vma.cond(count > 0, _decode, lambda *a: jnp.zeros(capacity, jnp.int32), *located)
+        words = _words(located, capacity, batched=False)
         return words, count, remainders(kept, tau, words, count, s0)
 
     batch = math.prod(lead)
@@ -365,12 +422,7 @@ def gtc_pack_parts_reference(
     offset = jnp.broadcast_to(offset, lead).reshape(batch)
     located = jax.vmap(locate)(stack(packed), tau, offset)
     count, s0 = located[-1], located[3]
-    words = vma.cond(
-        jnp.any(count > 0),
-        jax.vmap(_decode),
-        lambda *a: jnp.zeros((batch, capacity), jnp.int32),
-        *located,
-    )
+    words = _words(located, capacity, batched=True)
     return (
         words.reshape(*lead, capacity),
         count.reshape(lead),
@@ -379,18 +431,39 @@ def gtc_pack_parts_reference(
 
 
 def gtc_unpack_reference(
-    words: jax.Array, count: jax.Array, tau: jax.Array, size: int
+    words: jax.Array, count: jax.Array, tau: jax.Array, size: int, batch_dims: int = 0
 ) -> jax.Array:
-    """jnp reference of :func:`shoal.kernels.gtc_unpack` (arguments already validated)."""
-    capacity = words.shape[-1]
-    words = words.reshape(-1, capacity)
-    valid = jnp.arange(capacity, dtype=jnp.int32) < count.reshape(-1, 1)
-    index = jnp.where(valid, words & INDEX_MASK, size)
-    # Net count of +tau minus -tau per element, accumulated exactly (integers in float32),
-    # then scaled once: the result does not depend on the order of the P buffers.
-    net = (
-        jnp.zeros(size, jnp.float32)
-        .at[index.reshape(-1)]
-        .add(jnp.where(words < 0, -1.0, 1.0).reshape(-1), mode="drop")
-    )
-    return net * tau
+    """jnp reference of :func:`shoal.kernels.gtc_unpack` (arguments already validated).
+
+    The first ``batch_dims`` dimensions of ``words``, ``count`` and ``tau`` are batch
+    dimensions, each decoded on its own (``[*batch, size]``); the rest are summed.
+    """
+    lead = words.shape[:batch_dims]
+    batch, capacity = math.prod(lead), words.shape[-1]
+    words = words.reshape(batch, -1, capacity)
+    count = count.reshape(batch, -1)
+    tau = jnp.broadcast_to(tau, lead).reshape(batch, 1)
+    sizes = slot_sizes(capacity)
+
+    def scatter(slots):
+        def run(words, count):
+            words = words[..., :slots]
+            index = words & INDEX_MASK
+            valid = (jnp.arange(slots, dtype=jnp.int32) < count[..., None]) & (index < size)
+            # Each batch entry decodes into its own row of one flat buffer.
+            row = lax.broadcasted_iota(jnp.int32, words.shape, 0) * size
+            index = jnp.where(valid, row + index, batch * size)
+            # Net count of +tau minus -tau per element, accumulated exactly (integers in
+            # float32), then scaled once: the result does not depend on the order of the
+            # buffers.
+            sign = jnp.where(words < 0, -1.0, 1.0)
+            net = jnp.zeros(batch * size, jnp.float32)
+            return net.at[index.reshape(-1)].add(sign.reshape(-1), mode="drop")
+
+        return run
+
+    # As the pack's decode: over the fewest slots that hold every buffer's count.
+    zeros = lambda *a: jnp.zeros(batch * size, jnp.float32)
+    branches = [zeros] + [scatter(s) for s in sizes]
+    net = vma.switch(slot_branch(count, sizes), branches, words, count)
+    return (net.reshape(batch, size) * tau).reshape(*lead, size)

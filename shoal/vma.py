@@ -65,3 +65,8 @@ def agreeing(fns: Sequence[Callable[..., Any]], *operands: Any) -> list[Callable
 def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
     """``lax.cond`` whose branches may disagree on what varies over a manual axis."""
     return lax.cond(pred, *agreeing([true_fn, false_fn], *operands), *operands)
+
+
+def switch(index: Any, branches: Sequence[Callable], *operands: Any) -> Any:
+    """``lax.switch`` whose branches may disagree on what varies over a manual axis."""
+    return lax.switch(index, agreeing(branches, *operands), *operands)

@@ -204,6 +204,67 @@ def test_round_trip_conserves_values():
     np.testing.assert_array_equal(np.asarray(total), values.sum(0))
 
 
+# ------------------------------------------------- decode over the fewest slots
+# The reference decodes (and unpacks) over the fewest of capacity, capacity / 2, ...
+# capacity / 16 slots that hold every buffer's count; these counts fall in each of them,
+# on both sides of each boundary (capacity 16384: 1024, 2048, 4096, 8192, 16384 slots).
+BIG_N, BIG_CAPACITY = 24000, 16384
+SENT = [0, 1, 1024, 1025, 2048, 2049, 5000, 16384, 20000]
+
+
+def values_sending(rng, n, sent):
+    """``n`` values of which exactly ``sent`` have ``|v| > 1``, both signs."""
+    v = rng.uniform(-0.9, 0.9, n).astype(np.float32)
+    at = rng.choice(n, sent, replace=False)
+    v[at] = (rng.uniform(1.1, 3.0, sent) * rng.choice([-1, 1], sent)).astype(np.float32)
+    return v
+
+
+@pytest.mark.parametrize("sent", SENT)
+def test_decode_over_fewer_slots_matches_oracle(sent):
+    rng = np.random.default_rng(sent)
+    v = values_sending(rng, BIG_N, sent)
+    parts = [v[:1000].reshape(10, 100), v[1000:1037], v[1037:]]
+    for offset in (0, 12345):
+        expected = pack_oracle(v, 1.0, BIG_CAPACITY, offset)
+        assert expected[1] == min(sent, BIG_CAPACITY)
+        assert_pack_equal(gtc_pack(jnp.asarray(v), 1.0, BIG_CAPACITY, offset), expected)
+        words, count, rem = gtc_pack_parts(parts, 1.0, BIG_CAPACITY, offset)
+        flat = np.concatenate([np.ravel(r) for r in rem])
+        assert_pack_equal((words, count, flat), expected)
+    words, count = expected[:2]
+    dense = gtc_unpack(jnp.asarray(words), count, 0.5, BIG_N)
+    np.testing.assert_array_equal(bits(dense), bits(unpack_oracle(words, count, 0.5, BIG_N)))
+
+
+def test_decode_over_fewer_slots_under_nested_vmap():
+    # Buffers with different counts: the branch is the one for the largest.
+    rng = np.random.default_rng(11)
+    sent = np.array([[3, 5000], [0, 1500]])
+    v = np.stack([np.stack([values_sending(rng, BIG_N, s) for s in row]) for row in sent])
+    offsets = jnp.array([[0, 777], [23999, 4096]], jnp.int32)
+    pack = lambda x, o: gtc_pack(x, 1.0, BIG_CAPACITY, o)
+    words, count, rem = jax.vmap(jax.vmap(pack))(jnp.asarray(v), offsets)
+    pack_parts = lambda x, o: gtc_pack_parts([x[:100], x[100:]], 1.0, BIG_CAPACITY, o)
+    p_words, p_count, p_rem = jax.vmap(jax.vmap(pack_parts))(jnp.asarray(v), offsets)
+    for i in range(2):
+        for j in range(2):
+            expected = pack_oracle(v[i, j], 1.0, BIG_CAPACITY, int(offsets[i, j]))
+            assert_pack_equal((words[i, j], count[i, j], rem[i, j]), expected)
+            p_flat = np.concatenate([np.asarray(r)[i, j] for r in p_rem])
+            assert_pack_equal((p_words[i, j], p_count[i, j], p_flat), expected)
+    # Unpack: each group's buffers summed, the groups decoded on their own (vmap over
+    # them, and nested: a vmap over a batch of one group).
+    taus = jnp.array([0.5, 0.25], jnp.float32)
+    unpack = lambda w, c, t: gtc_unpack(w, c, t, BIG_N)
+    dense = jax.vmap(unpack)(words, count, taus)
+    nested = jax.vmap(jax.vmap(unpack), in_axes=(1, 1, None))(words[:, None], count[:, None], taus)
+    for i in range(2):
+        expected = unpack_oracle(np.asarray(words[i]), np.asarray(count[i]), taus[i], BIG_N)
+        np.testing.assert_array_equal(bits(dense[i]), bits(expected))
+        np.testing.assert_array_equal(bits(nested[0, i]), bits(expected))
+
+
 # ------------------------------------------------------------------ pack by parts
 
 
