@@ -448,22 +448,22 @@ def gtc_unpack_reference(
     def scatter(slots):
         def run(words, count):
             words = words[..., :slots]
-            index = words & INDEX_MASK
-            valid = (jnp.arange(slots, dtype=jnp.int32) < count[..., None]) & (index < size)
-            # Each batch entry decodes into its own row of one flat buffer.
-            row = lax.broadcasted_iota(jnp.int32, words.shape, 0) * size
-            index = jnp.where(valid, row + index, batch * size)
+            valid = jnp.arange(slots, dtype=jnp.int32) < count[..., None]
+            index = jnp.where(valid, words & INDEX_MASK, size)  # size: dropped
+            # Each batch entry decodes into its own row (a 2-D index: a flat one would
+            # overflow int32 beyond 2**31 elements over the batch).
+            row = lax.broadcasted_iota(jnp.int32, words.shape, 0)
             # Net count of +tau minus -tau per element, accumulated exactly (integers in
             # float32), then scaled once: the result does not depend on the order of the
             # buffers.
             sign = jnp.where(words < 0, -1.0, 1.0)
-            net = jnp.zeros(batch * size, jnp.float32)
-            return net.at[index.reshape(-1)].add(sign.reshape(-1), mode="drop")
+            net = jnp.zeros((batch, size), jnp.float32)
+            return net.at[row, index].add(sign, mode="drop")
 
         return run
 
     # As the pack's decode: over the fewest slots that hold every buffer's count.
-    zeros = lambda *a: jnp.zeros(batch * size, jnp.float32)
+    zeros = lambda *a: jnp.zeros((batch, size), jnp.float32)
     branches = [zeros] + [scatter(s) for s in sizes]
     net = vma.switch(slot_branch(count, sizes), branches, words, count)
-    return (net.reshape(batch, size) * tau).reshape(*lead, size)
+    return (net * tau).reshape(*lead, size)
