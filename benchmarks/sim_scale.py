@@ -37,6 +37,11 @@ of the baseline blocks interleaved with it. Algorithms whose cost depends on the
 * ``adaptive``: its starting stage, S-SGD with the noise-scale monitor (``ssgd_noise``);
   after the policy switches it runs ``pgx`` at ``adaptive_fraction``.
 
+GTC's decode costs what it sends (`shoal.kernels.gtc_pack`), so the report gives the
+density (elements sent over elements) of the largest worker at the end of each timed block
+for the algorithms that have one (``gtc``, ``bmuf_gtc``): on the fixed batch it rises over
+the first ~20 steps, then falls.
+
 After timing, every algorithm's state is checked: no step skipped by the non-finite check
 (a skipped step is cheaper) and a finite loss. Memory: XLA's own accounting of the
 compiled donated step (``memory_analysis()``): arguments + outputs - aliased (donated,
@@ -295,6 +300,9 @@ class Case:
         self.memory: dict[str, dict[str, int]] = {}  # row key -> memory()
         self.notes: list[str] = []
         self.compile_s: dict[str, float] = {}
+        # Row key -> the largest worker's density (elements sent / elements, GTC's) after
+        # each timed block: GTC's decode costs what it sends, not its capacity.
+        self.density: dict[str, list[float]] = {}
 
     def state(self, tx, group_size=None):
         params = self.backend.replicate(self.params0)
@@ -351,6 +359,12 @@ class Case:
         runner = Runner(compiled, state, self.x, self.y)
         base = self.base
 
+        def sent(seconds: float) -> float:
+            density = np.asarray(runner.metrics[3])
+            if np.isfinite(density).all():
+                self.density.setdefault(labels[0][0], []).append(float(density.max()))
+            return seconds
+
         if prog.period:
             # Untimed: one block, checking that its last step (only) is the BMUF step.
             for k in range(prog.period):
@@ -365,8 +379,8 @@ class Case:
                 order = (0, 1) if rep % 2 == 0 else (1, 0)
                 for who in order:
                     if who == 0:
-                        t_local = runner.run(prog.period - 1)
-                        t_sync = runner.run(1)
+                        t_local = sent(runner.run(prog.period - 1))
+                        t_sync = sent(runner.run(1))
                         local.append(t_local / (prog.period - 1))
                         whole.append((t_local + t_sync) / prog.period)
                     else:
@@ -392,7 +406,7 @@ class Case:
                 order = (0, 1) if rep % 2 == 0 else (1, 0)
                 for who in order:
                     if who == 0:
-                        times.append(runner.run(block) / block)
+                        times.append(sent(runner.run(block)) / block)
                     else:
                         b_times.append(base.run(block) / block)
             if prog.stage == "warmup":
@@ -538,7 +552,7 @@ def main() -> None:
 
 # What `report` reads of a case, as a child process hands it back.
 RESULT_FIELDS = ("width", "n", "block", "reps", "results", "memory", "base_times",
-                 "compile_s", "notes", "seconds")  # fmt: skip
+                 "compile_s", "notes", "seconds", "density")  # fmt: skip
 
 
 def run_case(base_cfg, w: int, n: int, args, progs: list[Program]) -> dict[str, Any]:
@@ -622,6 +636,22 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
         target = TARGETS.get(key)
         print(f"| {label} | " + " | ".join(vals) + f" | {'' if target is None else target} |")
     print()
+    dense = [(key, label) for key, label in rows if any(key in c.density for c in cases)]
+    if dense:
+        print(
+            f"sent / elements (GTC's density; capacity {cfg.gtc_capacity} of the elements), "
+            "the largest worker's at the end of each timed block, median (range): "
+            + "; ".join(
+                f"{label.split(' (')[0]}: "
+                + ", ".join(
+                    f"{fmt_params(c.width)} x {c.n} {np.median(d):.3f} ({min(d):.3f}-{max(d):.3f})"
+                    for c in cases
+                    if (d := c.density.get(key))
+                )
+                for key, label in dense
+            )
+        )
+        print()
     if "adaptive" in names:
         print(
             f"adaptive starts as S-SGD with the noise-scale monitor; once the policy switches "
