@@ -31,16 +31,21 @@ def typed_array(x: Any, dtype: Any, name: str) -> jax.Array:
     return jnp.asarray(x)
 
 
-def batched(fn: Any) -> Any:
+def batched(fn: Any, stacked: Any = None) -> Any:
     """``fn`` with a vmap rule that calls it on the stacked arrays (the Pallas wrappers and
     the GTC reference take leading dimensions natively), instead of pallas_call's generic
-    grid batching or plain vmap's; the arguments may be pytrees of arrays."""
+    grid batching or plain vmap's; the arguments may be pytrees of arrays.
+
+    ``stacked``: what the rule calls on them instead, when ``fn`` must be told that
+    they hold one more batch dimension (a callable returning that function, or None:
+    ``fn`` itself)."""
     wrapped = jax.custom_batching.custom_vmap(fn)
 
     @wrapped.def_vmap
     def _rule(axis_size, in_batched, *args):
         grow = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
-        out = wrapped(*jax.tree.map(grow, args, tuple(in_batched)))
+        call = wrapped if stacked is None else stacked()
+        out = call(*jax.tree.map(grow, args, tuple(in_batched)))
         return out, jax.tree.map(lambda _: True, out)
 
     return wrapped

@@ -346,14 +346,7 @@ def _batchable_unpack(size: int, batch_dims: int):
     """The reference unpack with a vmap rule that batches it natively, for the reason of
     `_batchable_reference` (its branch is on every buffer's count); ``batch_dims``:
     the leading dimensions stacked by vmap, decoded each on its own, not summed."""
-    unpack = jax.custom_batching.custom_vmap(
-        lambda words, count, tau: gtc_unpack_reference(words, count, tau, size, batch_dims)
+    return dispatch.batched(
+        lambda words, count, tau: gtc_unpack_reference(words, count, tau, size, batch_dims),
+        stacked=lambda: _batchable_unpack(size, batch_dims + 1),
     )
-
-    @unpack.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        grow = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
-        out = _batchable_unpack(size, batch_dims + 1)(*map(grow, args, in_batched))
-        return out, True
-
-    return unpack
