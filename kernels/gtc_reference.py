@@ -257,7 +257,7 @@ def _words(located, capacity: int, batched: bool) -> jax.Array:
     leading axis or not).
 
     Every step of the decode works per slot, yet only ``count`` of the ``capacity`` slots
-    carry a word (at most a fifth of them at `sim_scale`'s reference model). So it runs
+    carry a word (at most about a fifth at `sim_scale`'s reference model). So it runs
     in a branch over the fewest slots of `slot_sizes` that hold every buffer's count, and
     the words are padded with zeros to ``capacity``.
     """
