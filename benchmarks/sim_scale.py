@@ -37,7 +37,7 @@ of the baseline blocks interleaved with it. Algorithms whose cost depends on the
 * ``adaptive``: its starting stage, S-SGD with the noise-scale monitor (``ssgd_noise``);
   after the policy switches it runs ``pgx`` at ``adaptive_fraction``.
 
-GTC's decode costs what it sends (`shoal.kernels.gtc_pack`), so the report gives the
+GTC's decode costs what it sends (`shoal.kernels.gtc_reference`), so the report gives the
 density (elements sent over elements) of the largest worker at the end of each timed block
 for the algorithms that have one (``gtc``, ``bmuf_gtc``): on the fixed batch it rises over
 the first ~20 steps, then falls.
@@ -359,7 +359,7 @@ class Case:
         runner = Runner(compiled, state, self.x, self.y)
         base = self.base
 
-        def sent(seconds: float) -> float:
+        def with_density(seconds: float) -> float:
             density = np.asarray(runner.metrics[3])
             if np.isfinite(density).all():
                 self.density.setdefault(labels[0][0], []).append(float(density.max()))
@@ -379,8 +379,8 @@ class Case:
                 order = (0, 1) if rep % 2 == 0 else (1, 0)
                 for who in order:
                     if who == 0:
-                        t_local = sent(runner.run(prog.period - 1))
-                        t_sync = sent(runner.run(1))
+                        t_local = with_density(runner.run(prog.period - 1))
+                        t_sync = with_density(runner.run(1))
                         local.append(t_local / (prog.period - 1))
                         whole.append((t_local + t_sync) / prog.period)
                     else:
@@ -406,7 +406,7 @@ class Case:
                 order = (0, 1) if rep % 2 == 0 else (1, 0)
                 for who in order:
                     if who == 0:
-                        times.append(sent(runner.run(block)) / block)
+                        times.append(with_density(runner.run(block)) / block)
                     else:
                         b_times.append(base.run(block) / block)
             if prog.stage == "warmup":

@@ -18,7 +18,9 @@ index range from starving).
 
 Each function dispatches to a Pallas (Triton) kernel on GPU and to a pure-jnp reference
 elsewhere; both give bit-identical results. Both work under ``jax.jit`` and ``jax.vmap``
-(simulated workers; the reference pack then runs natively batched).
+(simulated workers; the reference pack and unpack then run natively batched). The
+reference decodes and unpacks over the fewest of ``capacity, capacity / 2, ...
+capacity / 16`` slots that hold the largest count, so its cost follows what is sent.
 
 References:
     N. Strom, "Scalable distributed DNN training using commodity GPU cloud computing",
