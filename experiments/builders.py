@@ -114,7 +114,7 @@ def _check_bmuf_gtc(cfg: Config) -> None:
     _check_bmuf(cfg)
 
 
-@register("bmuf", check=_check_bmuf, fields=_BMUF)
+@register("bmuf", check=_check_bmuf, fields=_BMUF, skip_in_place="apply")
 def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """BMUF (`shoal.optim.bmuf`) around `local_sgd`: ``block_size`` local steps per worker,
     then the BMUF step over all workers."""
@@ -131,7 +131,13 @@ def bmuf_sgd(cfg: Config, collective: Any) -> optax.GradientTransformation:
     )
 
 
-@register("bmuf_gtc", two_tier=True, check=_check_bmuf_gtc, fields=(*_BMUF, *_GTC, "group_size"))
+@register(
+    "bmuf_gtc",
+    two_tier=True,
+    check=_check_bmuf_gtc,
+    fields=(*_BMUF, *_GTC, "group_size"),
+    skip_in_place="apply",
+)
 def bmuf_gtc_sgd(cfg: Config, tiers: tuple[Any, Any]) -> optax.GradientTransformation:
     """Two-tier BMUF_GTC (`shoal.optim.bmuf_gtc`) around `local_sgd`: GTC
     (``gtc_threshold``, ``gtc_capacity``) every step inside groups of ``group_size``,

@@ -1,6 +1,7 @@
 """shoal.optim: communication-efficient algorithms as Optax gradient transformations."""
 
 from shoal.optim.allreduce import AllReduceState, allreduce_gradients
+from shoal.optim.applying import ApplyingTransformation, update_and_apply
 from shoal.optim.bfb import BFBState, bfb_allreduce
 from shoal.optim.bmuf import BMUFState, bmuf
 from shoal.optim.bmuf_gtc import bmuf_gtc
@@ -14,7 +15,6 @@ from shoal.optim.nonfinite import (
     SkipNonFiniteState,
     SkipNonFiniteTransformation,
     skip_nonfinite,
-    update_and_apply,
 )
 from shoal.optim.onebit import OneBitAdamState, OneBitLambState
 from shoal.optim.onebit_adam import onebit_adam
@@ -28,6 +28,7 @@ from shoal.optim.topk import TopKState, topk
 
 __all__ = [
     "AllReduceState",
+    "ApplyingTransformation",
     "BFBState",
     "BMUFState",
     "DeMoState",

@@ -80,10 +80,11 @@ def bmuf_gtc(
     ``(GTCState, inner state)``, or the inner state alone when ``P = 1``.
 
     Returns:
-      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      an `shoal.optim.ApplyingTransformation` whose ``init(params)`` returns
       a `shoal.optim.BMUFState` and whose ``update(updates, state, params=None)``
       returns ``(updates, new_state)``; ``optax.apply_updates(params, updates)``
-      is this worker's next model.
+      is this worker's next model. As for `shoal.optim.bmuf`,
+      `shoal.optim.update_and_apply` takes a step and applies it in place.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax

@@ -56,6 +56,7 @@ from shoal import vma
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.optim.applying import ApplyingTransformation, update_and_apply
 from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
 from shoal.optim.validation import check_collective, checked
 from shoal.trees import find_instances
@@ -194,58 +195,10 @@ def _apply_if(
 IN_PLACE = (None, True, False, "apply")
 
 
-class SkipNonFiniteTransformation(optax.GradientTransformationExtraArgs):
+class SkipNonFiniteTransformation(ApplyingTransformation):
     """What `skip_nonfinite` returns: an optax transformation, and with ``in_place="apply"``
     also the skip around the update and its application, which `update_and_apply` takes
     (``apply_step``: None otherwise)."""
-
-    apply_step: Callable | None = None  # set on the instance by `skip_nonfinite`
-
-
-def update_and_apply(
-    tx: optax.GradientTransformation, updates: Any, state: Any, params: Any, **extra_args
-) -> tuple[Any, Any]:
-    """One training step of ``tx``, the update applied to the parameters.
-
-    ``(params + u, new_state)`` with ``u, new_state = tx.update(updates, state, params)``.
-    For a `skip_nonfinite` made with ``in_place="apply"`` the skip is taken around the
-    update and its application together: the parameters are updated in place in the same
-    branch, and ``u`` is never written out (module docstring). Any other transformation
-    runs as ``optax.apply_updates`` would run it. Results are the same either way.
-
-    Args:
-      tx: an optax transformation.
-      updates: the gradient; state: ``tx``'s state; params: the parameters.
-      **extra_args: passed on to ``tx.update``.
-
-    Returns:
-      ``(new_params, new_state)``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> from shoal.comms import AxisCollective
-      >>> from shoal.optim import skip_nonfinite, update_and_apply
-      >>> coll = AxisCollective("workers", 2)
-      >>> tx = skip_nonfinite(optax.sgd(0.5), collective=coll, in_place="apply")
-      >>> step = lambda p, g: update_and_apply(tx, g, tx.init(p), p)[0]
-      >>> params = jnp.ones((2, 2))
-      >>> print(jax.vmap(step, axis_name="workers")(params, jnp.full((2, 2), 2.0)))
-      [[0. 0.]
-       [0. 0.]]
-      >>> bad = jnp.array([[2.0, 2.0], [jnp.nan, 2.0]])  # worker 1's gradient holds a NaN
-      >>> print(jax.vmap(step, axis_name="workers")(params, bad))
-      [[1. 1.]
-       [1. 1.]]
-
-    References:
-      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (skipping a step
-      on an overflow).
-    """
-    step = getattr(tx, "apply_step", None)
-    if step is not None:
-        return step(updates, state, params, **extra_args)
-    new_updates, state = tx.update(updates, state, params, **extra_args)
-    return optax.apply_updates(params, new_updates), state
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -375,8 +328,7 @@ def skip_nonfinite(
 
         def run(carry):
             p, s = carry
-            u, s = inner.update(updates, s, p, **extra_args)
-            return optax.apply_updates(p, u), s
+            return update_and_apply(inner, updates, s, p, **extra_args)
 
         carry = (params, state.inner_state)
         if not jax.tree.leaves(updates) or not keeps_shape(run, carry):

@@ -11,6 +11,7 @@ from jax import lax
 
 from shoal.comms import AxisCollective, wire_bytes
 from shoal.comms.wire import all_reduce_bytes
+from shoal.optim import update_and_apply
 from shoal.optim.bmuf import BMUFState, bmuf
 
 N = n_workers()
@@ -84,9 +85,10 @@ def oracle(steps, block_size, variant, zeta, eta, mu=0.0, warmup=0, reset=False)
     return np.stack(out)
 
 
-def train(tx, steps):
+def train(tx, steps, apply=False):
     """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
-    params, W_g and wire bytes after every step, and the final state."""
+    params, W_g and wire bytes after every step, and the final state. ``apply``: each step
+    by `update_and_apply` (the params in BMUF's in-place branch), else the optax way."""
 
     def worker(coll, p0, x, y):
         params = coll.broadcast(p0, 0)
@@ -95,8 +97,11 @@ def train(tx, steps):
 
         def body(carry, _):
             p, s = carry
-            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
+            if apply:
+                p, s = update_and_apply(opt, jax.grad(loss)(p, x, y), s, p)
+            else:
+                u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
+                p = optax.apply_updates(p, u)
             return (p, s), (p, s.global_params, wire_bytes(s, "step"))
 
         (_, state), traj = lax.scan(body, (params, state), None, length=steps)
@@ -110,9 +115,10 @@ def constant(v):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("path", ["update", "apply"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("hyper", ["default", "custom", "schedules", "lr-schedule"])
-def test_matches_oracle(variant, hyper):
+def test_matches_oracle(variant, hyper, path):
     block_size, blocks = 3, 4
     if hyper == "default":  # eq. (5): zeta = 1, eta = 1 - 1 / N
         kwargs, zeta, eta = {}, constant(1.0), constant(1.0 - 1.0 / N)
@@ -129,10 +135,13 @@ def test_matches_oracle(variant, hyper):
     tx = lambda c: bmuf(
         optax.sgd(LR), collective=c, block_size=block_size, **VARIANTS[variant], **kwargs
     )
-    out = train(tx, block_size * blocks)
+    out = train(tx, block_size * blocks, apply=path == "apply")
     expect = oracle(block_size * blocks, block_size, variant, zeta, eta)
     for rank, ((params, w_g, _), state) in out.items():
         np.testing.assert_allclose(flat(params), expect[:, rank], rtol=2e-5, atol=2e-5)
+        if path == "apply":  # the restart is W_g itself, not params + (W_g - params)
+            synced = slice(block_size - 1, None, block_size)
+            np.testing.assert_array_equal(flat(params)[synced], flat(w_g)[synced])
         # After a BMUF step every worker sits at W_g; within a block W_g stays put.
         np.testing.assert_allclose(
             flat(w_g)[block_size - 1 :: block_size],
@@ -167,8 +176,9 @@ def test_zero_momentum_unit_lr_is_model_averaging(variant):
         )
 
 
+@pytest.mark.parametrize("apply", [False, True], ids=["update", "apply"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_one_worker_unit_lr_zero_momentum_leaves_the_model(variant):
+def test_one_worker_unit_lr_zero_momentum_leaves_the_model(variant, apply):
     coll = AxisCollective("w", 1)
     tx = bmuf(
         optax.sgd(LR, momentum=0.5), collective=coll, block_size=2, block_momentum=0.0,
@@ -181,8 +191,11 @@ def test_one_worker_unit_lr_zero_momentum_leaves_the_model(variant):
 
         def body(carry, _):
             p, s = carry
-            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
+            if apply:
+                p, s = update_and_apply(opt, jax.grad(loss)(p, x, y), s, p)
+            else:
+                u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
+                p = optax.apply_updates(p, u)
             return (p, s), p
 
         return lax.scan(body, (p0, state), None, length=7)[1]
@@ -236,13 +249,14 @@ def test_equals_optax_outer_optimizer(variant, outer):
 
 
 @pytest.mark.mpi
-def test_warmup_is_synchronous_sgd_then_bmuf():
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_warmup_is_synchronous_sgd_then_bmuf(path):
     warmup, block_size, blocks = 4, 3, 3
     steps = warmup + block_size * blocks
     tx = lambda c: bmuf(
         optax.sgd(LR), collective=c, block_size=block_size, warmup_steps=warmup, nbm="chen_huo"
     )
-    out = train(tx, steps)
+    out = train(tx, steps, apply=path == "apply")
     # S-SGD: one model, stepped with the mean of the workers' gradients.
     ssgd = [flat(P0)[0].astype(np.float64)]
     for _ in range(warmup):
@@ -263,13 +277,14 @@ def test_warmup_is_synchronous_sgd_then_bmuf():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("path", ["update", "apply"])
 @pytest.mark.parametrize("reset", [True, False], ids=["reset", "keep"])
-def test_inner_momentum_reset_or_kept(reset):
+def test_inner_momentum_reset_or_kept(reset, path):
     block_size, blocks = 3, 3
     tx = lambda c: bmuf(
         optax.sgd(LR, momentum=0.9), collective=c, block_size=block_size, reset_inner_state=reset
     )
-    out = train(tx, block_size * blocks)
+    out = train(tx, block_size * blocks, apply=path == "apply")
     eta = constant(1.0 - 1 / N)
     expect = oracle(
         block_size * blocks, block_size, "seed", constant(1.0), eta, mu=0.9, reset=reset

@@ -400,7 +400,9 @@ def test_skipping_in_place_or_by_select_is_the_same_run(name):
 # The skip around the update and its application (`update_and_apply`): the same run as the
 # optax form, params and every step's state (the skipped count and idle meters included),
 # with a bad step and without.
-@pytest.mark.parametrize("name", ["sma", "peer_averaging", "allreduce_gradients", "bmuf_gtc"])
+@pytest.mark.parametrize(
+    "name", ["sma", "peer_averaging", "allreduce_gradients", "bmuf", "bmuf_gtc"]
+)
 @pytest.mark.parametrize("variant", ["bad", "clean"])
 def test_the_skip_around_update_and_apply_is_the_same_run(name, variant):
     skip_most_under_mpi(name)

@@ -1,0 +1,88 @@
+"""Transformations that can apply their own update: `update_and_apply`.
+
+An optax step writes the update ``u`` out and ``optax.apply_updates`` reads it back. A
+transformation whose state is updated in a branch (`shoal.optim.inplace.run_if`) must
+write ``u`` out before the branch even when the branch does not run, since the branch
+may replace it. Given the parameters instead, it can carry them through the branch, so
+that on the steps the branch skips ``params + u`` is one pass and ``u`` is never stored:
+BMUF's local steps (its BMUF step restarts the parameters from the global model), and
+`shoal.optim.skip_nonfinite` with ``in_place="apply"`` (the skip around the update and its
+application together).
+
+Such a transformation is an `ApplyingTransformation`: an optax transformation with an
+``apply_step(updates, state, params, **extra_args) -> (new_params, new_state)`` that gives
+what ``optax.apply_updates(params, u)`` would give, but for rounding (``p + (w - p)``
+against ``w``). `update_and_apply` takes it where there is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+__all__ = ["ApplyingTransformation", "update_and_apply", "with_apply_step"]
+
+
+class ApplyingTransformation(optax.GradientTransformationExtraArgs):
+    """An optax transformation whose ``apply_step`` (None: it has none) takes a step and
+    applies it (module docstring); `update_and_apply` calls it."""
+
+    apply_step: Callable | None = None  # set on the instance by `with_apply_step`
+
+
+def with_apply_step(
+    tx: optax.GradientTransformationExtraArgs, apply_step: Callable | None
+) -> ApplyingTransformation:
+    """``tx`` as an `ApplyingTransformation` whose ``apply_step`` is ``apply_step``."""
+    out = ApplyingTransformation(tx.init, tx.update)
+    out.apply_step = apply_step
+    return out
+
+
+def update_and_apply(
+    tx: optax.GradientTransformation, updates: Any, state: Any, params: Any, **extra_args
+) -> tuple[Any, Any]:
+    """One training step of ``tx``, the update applied to the parameters.
+
+    ``(params + u, new_state)`` with ``u, new_state = tx.update(updates, state, params)``.
+    An `ApplyingTransformation` with an ``apply_step`` (`shoal.optim.bmuf`, and
+    `shoal.optim.skip_nonfinite` with ``in_place="apply"`` around any transformation)
+    updates the parameters in the same in-place branches as its state, and ``u`` is
+    never written out (module docstring). Any other transformation runs as
+    ``optax.apply_updates`` would run it. Results are the same either way, up to rounding.
+
+    Args:
+      tx: an optax transformation.
+      updates: the gradient; state: ``tx``'s state; params: the parameters.
+      **extra_args: passed on to ``tx.update``.
+
+    Returns:
+      ``(new_params, new_state)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from shoal.comms import AxisCollective
+      >>> from shoal.optim import skip_nonfinite, update_and_apply
+      >>> coll = AxisCollective("workers", 2)
+      >>> tx = skip_nonfinite(optax.sgd(0.5), collective=coll, in_place="apply")
+      >>> step = lambda p, g: update_and_apply(tx, g, tx.init(p), p)[0]
+      >>> params = jnp.ones((2, 2))
+      >>> print(jax.vmap(step, axis_name="workers")(params, jnp.full((2, 2), 2.0)))
+      [[0. 0.]
+       [0. 0.]]
+      >>> bad = jnp.array([[2.0, 2.0], [jnp.nan, 2.0]])  # worker 1's gradient holds a NaN
+      >>> print(jax.vmap(step, axis_name="workers")(params, bad))
+      [[1. 1.]
+       [1. 1.]]
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (skipping a step
+      on an overflow).
+    """
+    step = getattr(tx, "apply_step", None)
+    if step is not None:
+        return step(updates, state, params, **extra_args)
+    new_updates, state = tx.update(updates, state, params, **extra_args)
+    return optax.apply_updates(params, new_updates), state
