@@ -196,7 +196,7 @@ def _diloco_parts(cfg: Config) -> tuple[optax.GradientTransformation, ...]:
     return inner, outer
 
 
-@register("diloco", check=_check_diloco, fields=_DILOCO)
+@register("diloco", check=_check_diloco, fields=_DILOCO, skip_in_place="apply")
 def diloco_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """DiLoCo (`shoal.optim.diloco`): the inner optimizer (``diloco_inner``: AdamW with
     ``diloco_inner_lr`` and ``weight_decay``, or `local_sgd`) on every worker, and every

@@ -29,6 +29,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter
+from shoal.optim.applying import with_apply_step
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
@@ -124,10 +125,17 @@ def diloco(
       exchange: None (a float32 all-reduce of ``delta``) or a `shoal.comms.Compressor`
         for it, e.g. ``shoal.comms.Quantized("fp4")`` or ``shoal.comms.TopK(0.01)``.
 
+    A training step that applies the update itself should take it with
+    ``params, state = shoal.optim.update_and_apply(tx, grads, state, params)``: the
+    parameters then ride in the outer step's in-place branch, so an inner step is the one
+    pass ``params + u`` and the restart is ``theta_g`` itself (as in `shoal.optim.bmuf`).
+
     Returns:
-      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns a
+      an `shoal.optim.ApplyingTransformation` (an
+      ``optax.GradientTransformationExtraArgs``) whose ``init(params)`` returns a
       `DiLoCoState` and whose ``update(updates, state, params)`` returns ``(updates,
       new_state)``; ``optax.apply_updates(params, updates)`` is this worker's next model.
+      Its ``apply_step`` is what `shoal.optim.update_and_apply` calls.
 
     Example:
       Two workers take two inner SGD steps towards different targets, to 0.75 and 2.25;
@@ -174,16 +182,20 @@ def diloco(
             exchange_memory=_exchange_init(exchange, params, n_workers),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def step_fn(updates, state, params, apply, **extra_args):
+        """The update (``apply=False``) or the new params (``apply=True``) and the state:
+        applied here, the params ride in the outer step's in-place branch, and an inner
+        step is the one pass ``params + u`` (`shoal.optim.applying`)."""
         require_params("diloco", params)
         # Branch on the step counter, the same on every worker: an inner-only update then
         # costs an inner step under vmap too, not a select over the outer step.
         step = uniform_over(collective, state.step)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        first = optax.apply_updates(params, inner_updates) if apply else inner_updates
 
         def outer_step(carry):
-            _, outer_state, theta_g, rounds, _, memory = carry
-            local = optax.apply_updates(params, inner_updates)
+            out, outer_state, theta_g, rounds, _, memory = carry
+            local = out if apply else optax.apply_updates(params, out)
             # Average the workers' distances from theta_g, not their models: the same
             # bytes, and a mean of small differences loses less precision.
             diff = jax.tree.map(jnp.subtract, theta_g, local)
@@ -193,15 +205,18 @@ def diloco(
             delta = _cast_like(delta, theta_g)
             u, new_outer = outer.update(delta, outer_state, theta_g)
             theta_g = optax.apply_updates(theta_g, u)
-            restart = jax.tree.map(
-                lambda g, p, o: (g - p).astype(o.dtype), theta_g, params, inner_updates
-            )
+            if apply:  # every worker restarts from theta_g itself
+                restart = _cast_like(theta_g, out)
+            else:
+                restart = jax.tree.map(
+                    lambda g, p, o: (g - p).astype(o.dtype), theta_g, params, out
+                )
             new_outer = _cast_like(new_outer, outer_state)
             return restart, new_outer, theta_g, rounds + 1, WireCount.of(*nbytes), memory
 
         is_sync = (step + 1) % sync_every == 0
         carry = (
-            inner_updates,
+            first,
             state.outer_state,
             state.global_params,
             state.rounds,
@@ -220,8 +235,17 @@ def diloco(
         )
         return out, new_state
 
-    return optax.GradientTransformationExtraArgs(
-        init_fn, checked("diloco", DiLoCoState, update_fn, lambda s: s.global_params)
+    def update_fn(updates, state, params=None, **extra_args):
+        return step_fn(updates, state, params, False, **extra_args)
+
+    def apply_step(updates, state, params, **extra_args):
+        return step_fn(updates, state, params, True, **extra_args)
+
+    return with_apply_step(
+        optax.GradientTransformationExtraArgs(
+            init_fn, checked("diloco", DiLoCoState, update_fn, lambda s: s.global_params)
+        ),
+        checked("diloco", DiLoCoState, apply_step),
     )
 
 

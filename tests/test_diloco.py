@@ -11,7 +11,7 @@ from jax import lax
 
 from shoal.comms import AxisCollective, Quantized, TopK, wire_bytes
 from shoal.comms.wire import all_reduce_bytes
-from shoal.optim import allreduce_gradients, bmuf
+from shoal.optim import allreduce_gradients, bmuf, update_and_apply
 from shoal.optim.diloco import DiLoCoState, diloco
 
 N = n_workers()
@@ -75,9 +75,10 @@ def oracle(workers, steps, sync_every):
     return np.stack(params), np.stack(glob)
 
 
-def worker_fn(tx, steps):
+def worker_fn(tx, steps, apply=False):
     """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
-    params, theta_g and this step's wire bytes after every step, and the final state."""
+    params, theta_g and this step's wire bytes after every step, and the final state.
+    ``apply``: each step by `update_and_apply` (the params in the outer step's branch)."""
 
     def worker(coll, p0, x, y):
         params = coll.broadcast(p0, 0)
@@ -86,8 +87,11 @@ def worker_fn(tx, steps):
 
         def body(carry, _):
             p, s = carry
-            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
+            if apply:
+                p, s = update_and_apply(opt, jax.grad(loss)(p, x, y), s, p)
+            else:
+                u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
+                p = optax.apply_updates(p, u)
             return (p, s), (p, s.global_params, wire_bytes(s, "step"))
 
         (_, state), traj = lax.scan(body, (params, state), None, length=steps)
@@ -114,10 +118,15 @@ def check_against_oracle(out, workers, steps, sync_every):
 
 
 @pytest.mark.mpi
-def test_matches_oracle():
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_matches_oracle(path):
     sync_every, steps = 3, 10  # the last step is an inner step after the third round
-    out = run_workers(worker_fn(dilo(sync_every), steps), P0, X, Y)
+    out = run_workers(worker_fn(dilo(sync_every), steps, apply=path == "apply"), P0, X, Y)
     check_against_oracle(out, N, steps, sync_every)
+    if path == "apply":  # after an outer step every worker sits at theta_g itself
+        for (params, theta_g, _), _ in out.values():
+            synced = slice(sync_every - 1, None, sync_every)
+            np.testing.assert_array_equal(flat(params)[synced], flat(theta_g)[synced])
 
 
 def test_matches_oracle_three_workers():

@@ -401,7 +401,7 @@ def test_skipping_in_place_or_by_select_is_the_same_run(name):
 # optax form, params and every step's state (the skipped count and idle meters included),
 # with a bad step and without.
 @pytest.mark.parametrize(
-    "name", ["sma", "peer_averaging", "allreduce_gradients", "bmuf", "bmuf_gtc"]
+    "name", ["sma", "peer_averaging", "allreduce_gradients", "bmuf", "bmuf_gtc", "diloco"]
 )
 @pytest.mark.parametrize("variant", ["bad", "clean"])
 def test_the_skip_around_update_and_apply_is_the_same_run(name, variant):
