@@ -5,7 +5,8 @@ transformation whose state is updated in a branch (`shoal.optim.inplace.run_if`)
 write ``u`` out before the branch even when the branch does not run, since the branch
 may replace it. Given the parameters instead, it can carry them through the branch, so
 that on the steps the branch skips ``params + u`` is one pass and ``u`` is never stored:
-BMUF's local steps (its BMUF step restarts the parameters from the global model), and
+the local steps of `shoal.optim.bmuf`, `shoal.optim.bmuf_gtc` and `shoal.optim.diloco`
+(whose block step restarts the parameters from the global model), and
 `shoal.optim.skip_nonfinite` with ``in_place="apply"`` (the skip around the update and its
 application together).
 
@@ -47,11 +48,12 @@ def update_and_apply(
     """One training step of ``tx``, the update applied to the parameters.
 
     ``(params + u, new_state)`` with ``u, new_state = tx.update(updates, state, params)``.
-    An `ApplyingTransformation` with an ``apply_step`` (`shoal.optim.bmuf`, and
-    `shoal.optim.skip_nonfinite` with ``in_place="apply"`` around any transformation)
-    updates the parameters in the same in-place branches as its state, and ``u`` is
-    never written out (module docstring). Any other transformation runs as
-    ``optax.apply_updates`` would run it. Results are the same either way, up to rounding.
+    An `ApplyingTransformation` with an ``apply_step`` (`shoal.optim.bmuf`,
+    `shoal.optim.bmuf_gtc`, `shoal.optim.diloco`, and `shoal.optim.skip_nonfinite` with
+    ``in_place="apply"`` around any transformation) updates the parameters in the same
+    in-place branches as its state, and ``u`` is never written out (module docstring).
+    Any other transformation runs as ``optax.apply_updates`` would run it. Results are the
+    same either way, up to rounding.
 
     Args:
       tx: an optax transformation.
