@@ -23,22 +23,47 @@ from typing import Any
 
 import optax
 
-__all__ = ["ApplyingTransformation", "update_and_apply", "with_apply_step"]
+from shoal.optim.validation import checked
+
+__all__ = ["ApplyingTransformation", "applying_transformation", "update_and_apply"]
 
 
 class ApplyingTransformation(optax.GradientTransformationExtraArgs):
     """An optax transformation whose ``apply_step`` (None: it has none) takes a step and
     applies it (module docstring); `update_and_apply` calls it."""
 
-    apply_step: Callable | None = None  # set on the instance by `with_apply_step`
+    apply_step: Callable | None = None  # set on the instance (`applying_transformation`)
 
 
-def with_apply_step(
-    tx: optax.GradientTransformationExtraArgs, apply_step: Callable | None
+def applying_transformation(
+    name: str,
+    state_type: type,
+    init_fn: Callable,
+    step_fn: Callable,
+    reference: Callable | None = None,
 ) -> ApplyingTransformation:
-    """``tx`` as an `ApplyingTransformation` whose ``apply_step`` is ``apply_step``."""
-    out = ApplyingTransformation(tx.init, tx.update)
-    out.apply_step = apply_step
+    """The `ApplyingTransformation` of one step function, both ways checked (`checked`).
+
+    Args:
+      name: the transformation's name, for errors.
+      state_type: its state's type.
+      init_fn: ``init(params) -> state``.
+      step_fn: ``step_fn(updates, state, params, apply, **extra_args)``: the update
+        (``apply=False``) or the new params (``apply=True``), and the new state.
+      reference: ``reference(state)``, the state's params-shaped tree (as `checked`).
+
+    Returns:
+      the transformation: ``update`` takes ``apply=False``, ``apply_step`` ``apply=True``.
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return step_fn(updates, state, params, False, **extra_args)
+
+    def apply_step(updates, state, params, **extra_args):
+        return step_fn(updates, state, params, True, **extra_args)
+
+    out = ApplyingTransformation(init_fn, checked(name, state_type, update_fn, reference))
+    out.apply_step = checked(name, state_type, apply_step)
     return out
 
 

@@ -30,13 +30,12 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.applying import with_apply_step
+from shoal.optim.applying import applying_transformation
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
     check_positive,
-    checked,
     concrete_float,
     require_params,
 )
@@ -347,18 +346,7 @@ def block_update_filtering(
         new_state = BMUFState(local_state, w_g, delta, filtered, state.step + 1, block, wire)
         return out, new_state
 
-    def update_fn(updates, state, params=None, **extra_args):
-        return step_fn(updates, state, params, False, **extra_args)
-
-    def apply_step(updates, state, params, **extra_args):
-        return step_fn(updates, state, params, True, **extra_args)
-
-    return with_apply_step(
-        optax.GradientTransformationExtraArgs(
-            init_fn, checked(name, BMUFState, update_fn, lambda s: s.delta)
-        ),
-        checked(name, BMUFState, apply_step),
-    )
+    return applying_transformation(name, BMUFState, init_fn, step_fn, lambda s: s.delta)
 
 
 def _lin(a, x, b, y):

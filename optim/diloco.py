@@ -29,12 +29,11 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter
-from shoal.optim.applying import with_apply_step
+from shoal.optim.applying import applying_transformation
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    checked,
     require_params,
 )
 
@@ -235,17 +234,8 @@ def diloco(
         )
         return out, new_state
 
-    def update_fn(updates, state, params=None, **extra_args):
-        return step_fn(updates, state, params, False, **extra_args)
-
-    def apply_step(updates, state, params, **extra_args):
-        return step_fn(updates, state, params, True, **extra_args)
-
-    return with_apply_step(
-        optax.GradientTransformationExtraArgs(
-            init_fn, checked("diloco", DiLoCoState, update_fn, lambda s: s.global_params)
-        ),
-        checked("diloco", DiLoCoState, apply_step),
+    return applying_transformation(
+        "diloco", DiLoCoState, init_fn, step_fn, lambda s: s.global_params
     )
 
 
