@@ -127,7 +127,7 @@ def profile(step, state, case: Case, steps: int) -> tuple[dict[str, float], Any]
 
 
 def main() -> None:
-    malloc.reexec_with_tunables(default="huge")  # as sim_scale and shoal-run
+    malloc.reexec_with_tunables(default="keep")  # as sim_scale and shoal-run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=512, help="MLP width (512: 1.05M params)")
     parser.add_argument("--workers", type=int, default=16)

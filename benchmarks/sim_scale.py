@@ -303,6 +303,7 @@ class Case:
         # Row key -> the largest worker's density (elements sent / elements, GTC's) after
         # each timed block: GTC's decode costs what it sends, not its capacity.
         self.density: dict[str, list[float]] = {}
+        self.malloc = malloc.describe()
 
     def state(self, tx, group_size=None):
         params = self.backend.replicate(self.params0)
@@ -469,7 +470,7 @@ def chunk_specs(parser, specs: list[str]) -> list[tuple[int, int, int, int]]:
 
 
 def main() -> None:
-    malloc.reexec_with_tunables(default="huge")  # as shoal-run for simulated workers
+    malloc.reexec_with_tunables(default="keep")  # as shoal-run for simulated workers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", help=f"widths or parameter counts (default {DEFAULT_SIZES})")
     parser.add_argument("--workers", help=f"comma-separated N (default {DEFAULT_WORKERS})")
@@ -552,7 +553,7 @@ def main() -> None:
 
 # What `report` reads of a case, as a child process hands it back.
 RESULT_FIELDS = ("width", "n", "block", "reps", "results", "memory", "base_times",
-                 "compile_s", "notes", "seconds", "density")  # fmt: skip
+                 "compile_s", "notes", "seconds", "density", "malloc")  # fmt: skip
 
 
 def run_case(base_cfg, w: int, n: int, args, progs: list[Program]) -> dict[str, Any]:
@@ -580,7 +581,9 @@ def case_in_own_process(w: int, n: int, args, names: list[str]) -> SimpleNamespa
         for flag in ("reps", "block"):
             if getattr(args, flag) is not None:
                 cmd += [f"--{flag}", str(getattr(args, flag))]
-        done = subprocess.run(cmd, stdout=sys.stderr)  # progress and errors as they come
+        # Huge pages instead of the kept heap above its limit, as shoal-run would take.
+        env = malloc.simulated_env(n_params(w) * n)
+        done = subprocess.run(cmd, stdout=sys.stderr, env=env)  # progress and errors as they come
         if done.returncode:
             sys.exit(f"sim_scale: case {fmt_params(w)} x {n} failed (exit {done.returncode})")
         return SimpleNamespace(**json.loads(out.read_text()))
@@ -613,6 +616,8 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     for line in skipped:
         print(f"skipped: {line}")
     for c in cases:
+        if c.malloc != malloc.describe():
+            print(f"malloc ({fmt_params(c.width)} x {c.n}): {c.malloc}")
         for note in c.notes:
             print(f"note ({fmt_params(c.width)} x {c.n}): {note}")
     print()

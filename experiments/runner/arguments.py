@@ -170,15 +170,6 @@ def check_devices_per_worker(cfg: Config, k: int) -> None:
         )
 
 
-def malloc_default(argv: list[str]) -> str:
-    """``"keep"`` for one worker per process (``--backend mpi|jax``), else ``"huge"``:
-    the `SHOAL_MALLOC` default (see `shoal.experiments.runner.malloc`)."""
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--backend", default="sim")
-    backend = peek.parse_known_args(argv)[0].backend
-    return "keep" if backend in ("mpi", "jax") else "huge"
-
-
 def mpi_world_size() -> int:
     from mpi4py import MPI  # initialises MPI, as the MPI backend would
 

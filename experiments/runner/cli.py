@@ -38,14 +38,13 @@ from shoal.experiments.runner.arguments import (
     check_devices_per_worker,
     launcher_missing,
     load_argument,
-    malloc_default,
     mpi_world_size,
     output_problem,
     resolve_workers,
 )
 from shoal.experiments.runner.backends import make_backend
 from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError
-from shoal.experiments.runner.malloc import reexec_with_tunables
+from shoal.experiments.runner.malloc import reexec_with_tunables, restart_simulated
 from shoal.experiments.runner.study import Study, run_study
 from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
@@ -159,7 +158,7 @@ _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it alread
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a command, not a call from Python: restart with the heap kept?
-        reexec_with_tunables(default=malloc_default(sys.argv[1:]))
+        reexec_with_tunables(default="keep")
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
     if args.servers < 0 or (args.servers and args.backend != "mpi"):
@@ -267,6 +266,9 @@ def _main(args, argv, backend) -> int:
     checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
     try:
         task = make_task(cfg)
+        if args.backend == "sim" and argv is None:  # too large to keep the heap? (malloc)
+            count = sum(x.size for x in jax.tree.leaves(task.init_params())) * cfg.workers
+            restart_simulated(count, "shoal-run")
         results = []
         budget = args.stop_after
         for entry in entries:

@@ -45,7 +45,10 @@ from pathlib import Path
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295:glibc.malloc.arena_max=1"
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 SETTINGS = {"huge": HUGE_PAGES, "keep": TUNABLES}  # SHOAL_MALLOC -> GLIBC_TUNABLES added
-_MARK = "SHOAL_MALLOC_REEXEC"
+_MARK = "SHOAL_MALLOC_REEXEC"  # set on restart, to the setting whose tunables were added
+# Simulated workers keep the heap up to this many parameters x workers (0.8 GB of float32
+# per copy of the model over the workers), and take huge pages above it (module docstring).
+KEEP_LIMIT = 2e8
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -91,10 +94,57 @@ def reexec_with_tunables(default: str = "system") -> None:
         return
     env = dict(os.environ)
     env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), tunables) if t)
-    env[_MARK] = "1"  # once: a glibc that ignores the tunables must not loop
+    # Once: a glibc that ignores the tunables must not loop.
+    env[_MARK] = os.environ.get("SHOAL_MALLOC", default)
+    _execve(env)
+
+
+def _execve(env: dict[str, str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def simulated_env(count: float) -> dict[str, str]:
+    """The environment for ``count`` simulated parameters x workers: this process's, or,
+    where it keeps the heap by default (not by ``SHOAL_MALLOC``) and ``count`` exceeds
+    `KEEP_LIMIT`, the same with huge pages in its place (``SHOAL_MALLOC=huge``).
+
+    The kept heap fragments over many large buffers: at 4.2M parameters x 64 workers
+    `benchmarks/sim_scale.py` peaked at 15.9 GB of RSS with it and 8.8 GB with huge pages.
+
+    Args:
+      count: parameters of one worker's model times the number of simulated workers.
+
+    Returns:
+      a new dict, to start a process with (or restart this one, `restart_simulated`).
+    """
+    env = dict(os.environ)
+    if "SHOAL_MALLOC" in env or env.get(_MARK) != "keep" or count <= KEEP_LIMIT:
+        return env
+    tunables = env.get("GLIBC_TUNABLES", "").removesuffix(TUNABLES).rstrip(":")
+    if _thp_possible():
+        tunables = ":".join(t for t in (tunables, HUGE_PAGES) if t)
+    env.update(SHOAL_MALLOC="huge", GLIBC_TUNABLES=tunables)
+    env[_MARK] = "huge"
+    return env
+
+
+def restart_simulated(count: float, what: str) -> None:
+    """Restart this command with huge pages where `simulated_env` says so (saying why on
+    stderr), else return. Call it before the run has written anything: it starts again.
+
+    Args:
+      count: parameters of one worker's model times the number of simulated workers.
+      what: the command's name, for the message.
+    """
+    env = simulated_env(count)
+    if env.get(_MARK) == os.environ.get(_MARK):
+        return
+    print(f"{what}: {count:.3g} parameters x workers (over {KEEP_LIMIT:.0e}): restarting "
+          "with huge pages (SHOAL_MALLOC=huge), whose peak memory the kept heap would "
+          "exceed", file=sys.stderr)  # fmt: skip
+    _execve(env)
 
 
 def describe() -> str:
