@@ -1,6 +1,6 @@
-"""`shoal.experiments.runner.malloc`: with SHOAL_MALLOC=keep (the default of `shoal-run --backend
-mpi|jax`) commands restart once with glibc's heap kept, with SHOAL_MALLOC=huge (the default
-for simulated workers) with transparent huge pages; otherwise nothing changes."""
+"""`shoal.experiments.runner.malloc`: with SHOAL_MALLOC=keep (the default of `shoal-run`)
+commands restart once with glibc's heap kept, with SHOAL_MALLOC=huge (simulated runs above
+`KEEP_LIMIT` parameters x workers) with transparent huge pages; otherwise nothing changes."""
 
 import os
 import re
@@ -73,13 +73,69 @@ def test_a_keep_default_restarts_unless_the_user_says_system(setting, restarts):
     assert tunables == ([malloc.TUNABLES] if restarts else [])
 
 
-def test_shoal_run_keeps_the_heap_for_one_worker_per_process_huge_pages_for_simulated():
-    from shoal.experiments.runner.arguments import malloc_default
+def test_shoal_run_keeps_the_heap_by_default():
+    cli = (Path(__file__).resolve().parents[1] / "experiments/runner/cli.py").read_text()
+    assert 'reexec_with_tunables(default="keep")' in cli
+    assert "restart_simulated(" in cli
 
-    assert malloc_default(["quickstart", "--backend", "mpi"]) == "keep"
-    assert malloc_default(["quickstart", "--backend=jax", "--devices-per-worker", "2"]) == "keep"
-    assert malloc_default(["quickstart"]) == "huge"
-    assert malloc_default(["quickstart", "--backend", "sim", "--set", "steps=3"]) == "huge"
+
+def kept_by_default(monkeypatch, tunables=malloc.TUNABLES):
+    """This process as `reexec_with_tunables(default="keep")` leaves it."""
+    monkeypatch.delenv("SHOAL_MALLOC", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+    monkeypatch.setenv(malloc._MARK, "keep")
+
+
+@pytest.mark.parametrize("thp", [True, False])
+def test_simulated_runs_over_the_limit_take_huge_pages(monkeypatch, thp):
+    kept_by_default(monkeypatch, "glibc.malloc.tcache_count=0:" + malloc.TUNABLES)
+    monkeypatch.setattr(malloc, "_thp_possible", lambda: thp)
+    env = malloc.simulated_env(malloc.KEEP_LIMIT + 1)
+    assert env["SHOAL_MALLOC"] == "huge" and env[malloc._MARK] == "huge"
+    huge = ":glibc.malloc.hugetlb=1" if thp else ""
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0" + huge
+    assert os.environ["GLIBC_TUNABLES"].endswith(malloc.TUNABLES)  # a copy: this one unchanged
+
+
+def test_simulated_runs_up_to_the_limit_keep_the_heap(monkeypatch):
+    kept_by_default(monkeypatch)
+    assert malloc.simulated_env(malloc.KEEP_LIMIT) == dict(os.environ)
+
+
+@pytest.mark.parametrize("setting", ["keep", "system"])
+def test_the_users_setting_stands_at_any_size(monkeypatch, setting):
+    kept_by_default(monkeypatch)
+    monkeypatch.setenv("SHOAL_MALLOC", setting)
+    assert malloc.simulated_env(1e12) == dict(os.environ)
+
+
+def test_a_heap_not_kept_by_a_restart_stays(monkeypatch):
+    # The user's own GLIBC_TUNABLES (no restart): theirs to change.
+    monkeypatch.delenv("SHOAL_MALLOC", raising=False)
+    monkeypatch.delenv(malloc._MARK, raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", malloc.TUNABLES)
+    assert malloc.simulated_env(1e12) == dict(os.environ)
+
+
+@glibc
+@pytest.mark.parametrize(("count", "restarts"), [(3e8, True), (1e8, False)])
+def test_restart_simulated_restarts_once_more_with_huge_pages(count, restarts):
+    code = PROBE.replace(
+        "reexec_with_tunables()",
+        "reexec_with_tunables(default='keep'); "
+        f"from shoal.experiments.runner.malloc import restart_simulated; "
+        f"restart_simulated({count}, 'probe')",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_MALLOC", "GLIBC"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    starts = [line.split()[1] for line in lines if line.startswith("start")]
+    assert len(starts) == (3 if restarts else 2) and len(set(starts)) == 1
+    tunables = next(line for line in lines if line.startswith("env")).split()[2:]
+    huge = ["glibc.malloc.hugetlb=1"] if malloc._thp_possible() else []
+    assert tunables == (huge if restarts else [malloc.TUNABLES])
+    assert ("probe: 3e+08 parameters x workers" in out.stderr) == restarts
 
 
 @glibc
@@ -116,3 +172,24 @@ def test_describe_names_the_setting(monkeypatch):
     assert malloc.describe() == "glibc defaults"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     assert malloc.describe() == "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (SHOAL_MALLOC=huge)"
+
+
+@glibc
+def test_shoal_run_restarts_a_large_simulated_run_with_huge_pages(tmp_path):
+    """The command itself, with the limit lowered so that a small run is over it: it
+    restarts once it has built the model, says why, and trains to the end."""
+    quickstart = Path(__file__).resolve().parents[1] / "experiments/configs/quickstart.py"
+    code = (
+        "import sys; import shoal.experiments.runner.malloc as m; m.KEEP_LIMIT = 1; "
+        "from shoal.experiments.runner.cli import main; sys.exit(main())"
+    )
+    args = [str(quickstart), "--workers", "2", "--no-progress", "--out", str(tmp_path / "run")]
+    args += ["--set", "steps=2", "eval_every=2", "algorithms=ssgd", "project_workers=0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_MALLOC", "GLIBC"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("parameters x workers (over 1e+00): restarting with huge") == 1
+    assert (tmp_path / "run" / "metrics.jsonl").exists()

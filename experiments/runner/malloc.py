@@ -1,34 +1,38 @@
 """glibc malloc settings under which XLA:CPU's large buffers cost fewer page faults every
-step: transparent huge pages for simulated workers, the heap kept for one worker per
-process.
+step: the heap kept, and transparent huge pages for the largest simulated runs.
 
 XLA:CPU takes every step's temporaries (gradients, all-reduce buffers) from ``malloc``.
 glibc serves an allocation above its mmap threshold (at most 32 MB) with a fresh
 ``mmap`` and gives it back with ``munmap`` on free, so each step pays one page fault per
-4 KiB page of every large buffer, again and again: on a 2-core machine a jitted
-``x + 1`` on 64 MB takes 18 ms that way and 3.3 ms with the heap kept (a read of the
-same buffer: 1.3 ms). Two settings (``SHOAL_MALLOC``) take that cost away:
+4 KiB page of every large buffer, again and again, and the kernel zeroes each page: on a
+2-core machine a jitted ``x + 1`` on 64 MB takes 18 ms that way and 3.3 ms with the heap
+kept (a read of the same buffer: 1.3 ms). Two settings (``SHOAL_MALLOC``) take that cost
+away:
 
-* ``huge``: ``glibc.malloc.hugetlb=1``. glibc asks the kernel for transparent huge pages
-  (``madvise(MADV_HUGEPAGE)``) on the blocks it maps, which then fault 2 MB at a time.
-  Blocks are still unmapped on free, so peak memory is what it was. At 1.05M params x 16
-  simulated workers a local-SGD step takes 39 ms instead of 48 and S-SGD's 40 ms instead
-  of 58; at 4.2M x 64 GTC's step takes 1.47 s instead of 1.68, S-SGD's 0.74 s instead of
-  1.00, with the same peak RSS (10.3 GB) (`benchmarks/sim_scale.py`). Nothing changes
-  where the kernel's THP mode is ``never``.
 * ``keep``: `TUNABLES`. With ``mmap_max=0`` glibc serves large blocks from the heap, with
   the largest ``trim_threshold`` it keeps freed ones for the next step, and with
-  ``arena_max=1`` every thread (XLA's pool) shares that heap. The heap then never shrinks
-  and fragments: at 4.2M x 64 simulated workers GTC's step peaked at 23.8 GB of RSS with
-  it against 10.3 GB without. One worker per process (MPI ranks, ``jax.distributed``) has
-  no such fragmentation to fear and the most to gain: ``MPICollective.all_reduce`` of 16M
-  float32 on 4 ranks takes 1.7x mpi4py's ``Allreduce`` of NumPy arrays with glibc's
-  defaults (each call faults in a fresh 64 MB result, and MPICH its own 32 MB scratch)
-  and 1.1x with the heap kept (``benchmarks/mpi_allreduce.py``).
+  ``arena_max=1`` every thread (XLA's pool) shares that heap. Each page faults once.
+  ``MPICollective.all_reduce`` of 16M float32 on 4 ranks takes 1.7x mpi4py's
+  ``Allreduce`` of NumPy arrays with glibc's defaults (each call faults in a fresh 64 MB
+  result, and MPICH its own 32 MB scratch) and 1.1x with the heap kept
+  (``benchmarks/mpi_allreduce.py``). Simulated workers at 1.05M params x 64: BMUF's block
+  step took 239 ms with the heap kept and 400 ms with huge pages (local SGD: 149 and
+  156 ms), and 1-bit LAMB's compressed step 2.3x local SGD's against 2.4-3.5x
+  (`benchmarks/sim_scale.py`). But the heap never shrinks and fragments over many large
+  buffers: at 4.2M x 64 (S-SGD and GTC in one process) it peaked at 15.9 GB of RSS
+  against 8.8 GB with huge pages.
+* ``huge``: ``glibc.malloc.hugetlb=1``. glibc asks the kernel for transparent huge pages
+  (``madvise(MADV_HUGEPAGE)``) on the blocks it maps, which then fault 2 MB at a time.
+  Blocks are still unmapped on free, so peak memory is what it was, but every step's
+  temporaries are faulted and zeroed afresh. Nothing changes where the kernel's THP mode
+  is ``never``.
 
-``shoal-run --backend mpi|jax`` keeps the heap and simulated workers take huge pages,
-unless ``SHOAL_MALLOC`` says otherwise (``system``: glibc's defaults).
-``shoal-run``, ``benchmarks/sim_scale.py``, ``benchmarks/sim_profile.py`` and
+``shoal-run`` keeps the heap (MPI ranks, ``jax.distributed`` processes and simulated
+workers), except for simulated workers whose parameters x workers exceed `KEEP_LIMIT`:
+once it has built the model, ``shoal-run`` restarts with huge pages for those
+(`restart_simulated`), unless ``SHOAL_MALLOC`` says otherwise (``system``: glibc's
+defaults). ``shoal-run``, ``benchmarks/sim_scale.py`` (each case started as ``shoal-run``
+would run it, `simulated_env`), ``benchmarks/sim_profile.py`` and
 ``benchmarks/mpi_allreduce.py`` restart themselves with the setting's tunables
 (`reexec_with_tunables`, first thing: glibc reads ``GLIBC_TUNABLES`` only when a process
 starts; under ``mpiexec`` every rank restarts before ``MPI_Init``). In your own scripts,
