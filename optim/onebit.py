@@ -230,20 +230,26 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
         mask = h.momentum_mask
         mask = None if mask is None else _f32(treedef.flatten_up_to(mask))
 
+        # ``m`` and ``v`` (and 1-bit LAMB's ``v_fresh`` and layer scales) come from the
+        # exchanges alone, so they are the same on every worker: each stage reads one
+        # copy of them (`Collective.uniform`; simulated workers do not read N copies).
+        one = collective.uniform
+
         # Each stage rewrites the carry, (state, rate, wire), in place (`run_if`).
         def warmup_stage(carry):
             g, _, nbytes = tree_mean(updates, collective=collective)
             g = _f32(jax.tree.leaves(g))
-            mu = [b1 * m + (1 - b1) * x for m, x in zip(jax.tree.leaves(carry[0].mu), g)]
-            nu = [b2 * v + (1 - b2) * x * x for v, x in zip(jax.tree.leaves(carry[0].nu), g)]
+            mu = [b1 * m + (1 - b1) * x for m, x in zip(one(jax.tree.leaves(carry[0].mu)), g)]
+            nu = [b2 * v + (1 - b2) * x * x for v, x in zip(one(jax.tree.leaves(carry[0].nu)), g)]
             state, rate = warmup(carry[0]._replace(mu=step.tree(mu), nu=step.tree(nu)), step)
             return state, rate, WireCount.of(*nbytes)
 
         def compressed_stage(carry):
             state, k = scales(carry[0], step)
-            mu_last = jax.tree.leaves(state.mu)
+            mu_last = one(jax.tree.leaves(state.mu))
             local = [b1 * m + (1 - b1) * x for m, x in zip(mu_last, step.grads)]
             if k is not None:
+                k = one(k)
                 local = [x * s for x, s in zip(local, jax.tree.leaves(k))]
             errors = (state.worker_error, state.server_error)
             mu, errors, nbytes = tree_mean(local, errors, collective=collective, exchange=codec)
@@ -265,7 +271,7 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed):
         # The update after the branch, from the new state: one pass (fused into whatever
         # applies it), and no parameter-sized update in the carry.
         state, rate, wire = carry
-        mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+        mu, nu = one((jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)))
 
         def rule(m, v, w):
             u = m / (jnp.sqrt(v) + h.eps)

@@ -156,12 +156,14 @@ def onebit_lamb(
             nu_fresh=zeros, coeff_avg=scalar(0.0), last_factor=scalar(1.0), scale=scalar(1.0)
         )
 
+    one = collective.uniform  # what the exchanges alone make (`two_stage`): one copy
+
     def warmup(state, step):
         p = step.params
         # Stored, then its norm taken: the coefficients do not hang on XLA's fusion.
         us = [
             _on_its_own(m / (jnp.sqrt(v) + eps) + weight_decay * w)
-            for m, v, w in zip(leaves(state.mu), leaves(state.nu), p)
+            for m, v, w in zip(leaves(state.mu), one(leaves(state.nu)), p)
         ]
         norms = _norms([*p, *us], collective)
         rate, avg = [], []
@@ -195,8 +197,9 @@ def onebit_lamb(
 
     def compressed(state, mu_last, step):
         mu, p = leaves(state.mu), step.params
+        nu, nu_fresh = one((leaves(state.nu), leaves(state.nu_fresh)))
         fresh, u_pres, us, raw = [], [], [], []
-        for m, m_last, v, vf, w in zip(mu, mu_last, leaves(state.nu), leaves(state.nu_fresh), p):
+        for m, m_last, v, vf, w in zip(mu, mu_last, nu, nu_fresh, p):
             g_rec = (m - b1 * m_last) / (1 - b1)
             fresh.append(b2 * vf + (1 - b2) * g_rec * g_rec)
             denom = jnp.sqrt(v) + eps
