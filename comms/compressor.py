@@ -230,8 +230,12 @@ def two_phase_mean(
     if worker_error is not None:
         worker_error = v - codec.decode(rows, chunk).reshape(n_pad)
 
-    parts = codec.decode(collective.all_to_all(rows), chunk)  # [P, c]: my chunk, by source
-    m = _mean_in_source_order(parts)
+    # My chunk from every source, decoded row by row into the sum that reads it: XLA fuses
+    # each decode into its add instead of writing all P decoded rows out first (1-bit
+    # LAMB's compression stage at 1.05M params x 64 simulated workers: 2.07x -> 1.85x
+    # local SGD's step).
+    received = collective.all_to_all(rows)  # [P, row bytes], by source
+    m = _mean_in_source_order([codec.decode(received[j : j + 1], chunk)[0] for j in range(size)])
     if server_error is not None:
         m = m + server_error
 
@@ -243,13 +247,13 @@ def two_phase_mean(
     return y.reshape(n_pad)[:n], worker_error, server_error
 
 
-def _mean_in_source_order(parts: jax.Array) -> jax.Array:
+def _mean_in_source_order(parts) -> jax.Array:
     # Added row by row in source order, a fixed order whatever the engine, so every
-    # engine and the NumPy oracles agree bit for bit.
+    # engine and the NumPy oracles agree bit for bit. ``parts``: [P, ...] or P arrays.
     total = parts[0]
-    for j in range(1, parts.shape[0]):
+    for j in range(1, len(parts)):
         total = total + parts[j]
-    return total / jnp.float32(parts.shape[0])
+    return total / jnp.float32(len(parts))
 
 
 def _all_gather_mean(codec: Compressor, x, memory, collective) -> tuple[jax.Array, tuple]:
