@@ -139,6 +139,8 @@ def main() -> None:
         parser.error("--size >= 8, --workers >= 1, --steps >= 1 and --top >= 0")
     start = time.perf_counter()
     cfg = load_config(CONFIG)
+    # Huge pages instead of the kept heap for a large case, as shoal-run would take.
+    malloc.restart_simulated(n_params(args.size) * args.workers, "sim_profile")
     case = Case(cfg, args.size, args.workers, argparse.Namespace(block=None, reps=None))
 
     runs = {"local SGD": profile(*case.build_baseline(), case, args.steps)}

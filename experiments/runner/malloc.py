@@ -29,14 +29,15 @@ away:
 
 ``shoal-run`` keeps the heap (MPI ranks, ``jax.distributed`` processes and simulated
 workers), except for simulated workers whose parameters x workers exceed `KEEP_LIMIT`:
-once it has built the model, ``shoal-run`` restarts with huge pages for those
-(`restart_simulated`), unless ``SHOAL_MALLOC`` says otherwise (``system``: glibc's
-defaults). ``shoal-run``, ``benchmarks/sim_scale.py`` (each case started as ``shoal-run``
-would run it, `simulated_env`), ``benchmarks/sim_profile.py`` and
-``benchmarks/mpi_allreduce.py`` restart themselves with the setting's tunables
-(`reexec_with_tunables`, first thing: glibc reads ``GLIBC_TUNABLES`` only when a process
-starts; under ``mpiexec`` every rank restarts before ``MPI_Init``). In your own scripts,
-export ``GLIBC_TUNABLES`` as `SETTINGS` says before starting Python (or ``mpiexec``).
+once it has built a config's model, ``shoal-run`` restarts with huge pages for those
+(`restart_simulated`; a study keeps the setting it started with), unless
+``SHOAL_MALLOC`` says otherwise (``system``: glibc's defaults). ``shoal-run``,
+``benchmarks/sim_scale.py`` (each case started as ``shoal-run`` would run it,
+`simulated_env`), ``benchmarks/sim_profile.py`` and ``benchmarks/mpi_allreduce.py``
+restart themselves with the setting's tunables (`reexec_with_tunables`, first thing:
+glibc reads ``GLIBC_TUNABLES`` only when a process starts; under ``mpiexec`` every rank
+restarts before ``MPI_Init``). In your own scripts, export ``GLIBC_TUNABLES`` as
+`SETTINGS` says before starting Python (or ``mpiexec``).
 """
 
 from __future__ import annotations
