@@ -73,12 +73,6 @@ def test_a_keep_default_restarts_unless_the_user_says_system(setting, restarts):
     assert tunables == ([malloc.TUNABLES] if restarts else [])
 
 
-def test_shoal_run_keeps_the_heap_by_default():
-    cli = (Path(__file__).resolve().parents[1] / "experiments/runner/cli.py").read_text()
-    assert 'reexec_with_tunables(default="keep")' in cli
-    assert "restart_simulated(" in cli
-
-
 def kept_by_default(monkeypatch, tunables=malloc.TUNABLES):
     """This process as `reexec_with_tunables(default="keep")` leaves it."""
     monkeypatch.delenv("SHOAL_MALLOC", raising=False)
@@ -175,13 +169,17 @@ def test_describe_names_the_setting(monkeypatch):
 
 
 @glibc
-def test_shoal_run_restarts_a_large_simulated_run_with_huge_pages(tmp_path):
-    """The command itself, with the limit lowered so that a small run is over it: it
-    restarts once it has built the model, says why, and trains to the end."""
+@pytest.mark.parametrize("limit", [None, 1])
+def test_shoal_run_keeps_the_heap_for_a_simulated_run_up_to_the_limit(tmp_path, limit):
+    """The command itself, on a small run: it keeps the heap; with the limit lowered so
+    that the run is over it, it restarts once it has built the model, says why, and trains
+    to the end with huge pages."""
     quickstart = Path(__file__).resolve().parents[1] / "experiments/configs/quickstart.py"
+    lower = "" if limit is None else f"m.KEEP_LIMIT = {limit}; "
     code = (
-        "import sys; import shoal.experiments.runner.malloc as m; m.KEEP_LIMIT = 1; "
-        "from shoal.experiments.runner.cli import main; sys.exit(main())"
+        f"import os, sys; import shoal.experiments.runner.malloc as m; {lower}"
+        "from shoal.experiments.runner.cli import main; rc = main(); "
+        "print('tunables', os.environ.get('GLIBC_TUNABLES')); sys.exit(rc)"
     )
     args = [str(quickstart), "--workers", "2", "--no-progress", "--out", str(tmp_path / "run")]
     args += ["--set", "steps=2", "eval_every=2", "algorithms=ssgd", "project_workers=0"]
@@ -191,5 +189,11 @@ def test_shoal_run_restarts_a_large_simulated_run_with_huge_pages(tmp_path):
         [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.count("parameters x workers (over 1e+00): restarting with huge") == 1
+    tunables = out.stdout.split("tunables ")[-1].strip()
+    said = out.stderr.count("parameters x workers (over 1e+00): restarting with huge pages")
+    if limit is None:
+        assert tunables == malloc.TUNABLES and said == 0
+    else:
+        huge = malloc.HUGE_PAGES if malloc._thp_possible() else ""
+        assert tunables == huge and said == 1
     assert (tmp_path / "run" / "metrics.jsonl").exists()
