@@ -48,6 +48,7 @@ from shoal.experiments.runner.malloc import reexec_with_tunables, restart_simula
 from shoal.experiments.runner.study import Study, run_study
 from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
+from shoal.experiments.tasks.bert import num_parameters
 from shoal.optim.nonfinite import NonFiniteGradientError
 
 
@@ -267,8 +268,7 @@ def _main(args, argv, backend) -> int:
     try:
         task = make_task(cfg)
         if args.backend == "sim" and argv is None:  # too large to keep the heap? (malloc)
-            count = sum(x.size for x in jax.tree.leaves(task.init_params())) * cfg.workers
-            restart_simulated(count, "shoal-run")
+            restart_simulated(num_parameters(task.init_params()) * cfg.workers, "shoal-run")
         results = []
         budget = args.stop_after
         for entry in entries:
