@@ -63,6 +63,24 @@ def check_vector(x) -> jax.Array:
     return x
 
 
+def check_parts(x) -> list[jax.Array]:
+    """``x`` (a float32 vector, or a list or tuple of them) as a list of float32 vectors
+    of total length ``>= 1``, or a TypeError / ValueError saying why not."""
+    if not isinstance(x, (list, tuple)):
+        return [check_vector(x)]
+    parts = []
+    for i, p in enumerate(x):
+        if getattr(p, "dtype", jnp.float32) != jnp.float32:
+            raise TypeError(f"x[{i}] must be float32, got dtype {p.dtype}")
+        p = jnp.asarray(p)
+        if p.ndim != 1:
+            raise ValueError(f"x[{i}] must be a 1-D float32 vector, got shape {p.shape}")
+        parts.append(p)
+    if not sum(p.shape[0] for p in parts):
+        raise ValueError("x must hold at least one value, got no parts or only empty ones")
+    return parts
+
+
 def check_error(name: str, err, length: int, n: int, size: int) -> jax.Array:
     if jnp.shape(err) != (length,) or jnp.result_type(err) != jnp.float32:
         raise ValueError(
@@ -178,7 +196,9 @@ class Compressor:
         """``(y, memory)``: the compressed mean of ``x`` over the workers, the same on all.
 
         Args:
-          x: float32[n], this worker's values.
+          x: float32[n], this worker's values; or a list or tuple of float32 vectors,
+            taken as their concatenation (``n`` their total length), which lets XLA add
+            the error feedback to each part in the pass that makes it (`tree_mean`).
           memory: the error feedback from `init` or the previous call (``()`` without).
           collective: the ``P`` workers (`shoal.comms.Collective`).
 
@@ -186,8 +206,8 @@ class Compressor:
           ``y`` float32[n] and the updated memory. Donate the memory under ``jax.jit`` to
           update it in place.
         """
-        x = check_vector(x)
-        n, size = x.shape[0], collective.size
+        x = check_parts(x)
+        n, size = sum(p.shape[0] for p in x), collective.size
         memory = tuple(memory)
         lengths = self._lengths(n, size)
         if len(memory) != len(lengths):
@@ -216,16 +236,16 @@ def two_phase_mean(
     *,
     collective: Collective,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The two-phase compressed all-reduce of ``codec`` (checked inputs; see the module)."""
+    """The two-phase compressed all-reduce of ``codec`` (checked inputs; see the module);
+    ``x``: a float32 vector or a list of them (`Compressor.mean`)."""
     size = collective.size
-    n = x.shape[0]
+    parts = x if isinstance(x, list) else [x]
+    n = sum(p.shape[0] for p in parts)
     n_pad = codec.padded_size(n, size)
     chunk = n_pad // size
 
     # Worker compression: the padding joins the error feedback like any other element.
-    v = jnp.pad(x, (0, n_pad - n))
-    if worker_error is not None:
-        v = v + worker_error
+    v = _with_error(parts, worker_error, n_pad)
     rows = codec.encode(v.reshape(size, chunk))  # row r goes to worker r
     if worker_error is not None:
         worker_error = v - codec.decode(rows, chunk).reshape(n_pad)
@@ -247,6 +267,22 @@ def two_phase_mean(
     return y.reshape(n_pad)[:n], worker_error, server_error
 
 
+def _with_error(parts: list, error: jax.Array | None, n_pad: int) -> jax.Array:
+    """``pad(concat(parts), n_pad) + error``, the error added part by part before the
+    concatenation: XLA:CPU fuses a concatenation neither with its operands nor with its
+    users, but each part's add with the kernel that makes the part (1-bit LAMB's
+    compression stage at 1.05M params x 16 simulated workers: 1.97x -> 1.89x local SGD's
+    step). The sums are the same as after the concatenation."""
+    n = sum(p.shape[0] for p in parts)
+    if error is None:
+        return jnp.pad(jnp.concatenate(parts), (0, n_pad - n))
+    out, start = [], 0
+    for p in parts:
+        out.append(p + error[start : start + p.shape[0]])
+        start += p.shape[0]
+    return jnp.concatenate([*out, error[n:]])
+
+
 def _mean_in_source_order(parts) -> jax.Array:
     # Added row by row in source order, a fixed order whatever the engine, so every
     # engine and the NumPy oracles agree bit for bit. ``parts``: [P, ...] or P arrays.
@@ -256,13 +292,11 @@ def _mean_in_source_order(parts) -> jax.Array:
     return total / jnp.float32(len(parts))
 
 
-def _all_gather_mean(codec: Compressor, x, memory, collective) -> tuple[jax.Array, tuple]:
+def _all_gather_mean(codec: Compressor, parts, memory, collective) -> tuple[jax.Array, tuple]:
     size = collective.size
-    n = x.shape[0]
+    n = sum(p.shape[0] for p in parts)
     n_pad = codec.padded_size(n, size)
-    v = jnp.pad(x, (0, n_pad - n))
-    if memory:
-        v = v + memory[0]
+    v = _with_error(parts, memory[0] if memory else None, n_pad)
     row = codec.encode(v[None])
     if memory:
         memory = (v - codec.decode(row, n_pad)[0],)
@@ -301,10 +335,10 @@ class Float32(Compressor):
         return all_reduce_bytes(4 * check_n(n), check_size(size))
 
     def mean(self, x, memory=(), *, collective):
-        x = check_vector(x)
+        x = check_parts(x)
         if tuple(memory):
             raise ValueError("Float32 keeps no memory: pass memory=()")
-        return collective.all_reduce(x, "mean"), ()
+        return collective.all_reduce(jnp.concatenate(x), "mean"), ()
 
 
 def tree_mean(
@@ -341,10 +375,11 @@ def tree_mean(
         nbytes = all_reduce_bytes(tree_nbytes(tree), collective.size)
         return collective.all_reduce(tree, "mean"), memory, nbytes
     leaves, treedef = jax.tree.flatten(tree)
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-    y, memory = exchange.mean(flat, memory, collective=collective)
+    y, memory = exchange.mean(
+        [jnp.ravel(x).astype(jnp.float32) for x in leaves], memory, collective=collective
+    )
     out, start = [], 0
     for x in leaves:
         out.append(y[start : start + x.size].reshape(x.shape).astype(x.dtype))
         start += x.size
-    return jax.tree.unflatten(treedef, out), memory, exchange.wire_bytes(flat.size, collective.size)
+    return jax.tree.unflatten(treedef, out), memory, exchange.wire_bytes(start, collective.size)

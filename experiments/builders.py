@@ -293,7 +293,14 @@ def _lamb(cfg: Config, collective: Any, freeze: int) -> optax.GradientTransforma
     )
 
 
-@register("lamb", fields=_LAMB)
+# The skip around the update and its application (`skip_nonfinite`'s "apply"): the update,
+# the same on every worker, is added to the parameters in the pass that computes it instead
+# of being written out per worker first (1-bit LAMB's compression stage at 1.05M params x 16
+# simulated workers: 1.94x -> 1.84x local SGD's step, side by side in one process).
+_ONEBIT_SKIP = "apply"
+
+
+@register("lamb", fields=_LAMB, skip_in_place=_ONEBIT_SKIP)
 def lamb(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """LAMB on the all-reduced gradients, the uncompressed baseline of ``onebit_lamb``:
     `shoal.optim.onebit_lamb` whose warm-up stage (a dense all-reduce, then LAMB without
@@ -315,6 +322,7 @@ def _check_onebit(cfg: Config) -> None:
     fields=(*_LAMB, "onebit_freeze_fraction", "onebit_freeze_step"),
     compares_to="lamb",
     warmup=freeze_step,
+    skip_in_place=_ONEBIT_SKIP,
 )
 def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """1-bit LAMB (`shoal.optim.onebit_lamb`): `lamb` for `freeze_step` steps, then the
@@ -326,6 +334,7 @@ def onebit_lamb_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     "onebit_adam",
     check=_check_onebit,
     fields=(*_LAMB, "onebit_freeze_fraction", "onebit_freeze_step"),
+    skip_in_place=_ONEBIT_SKIP,
 )
 def onebit_adam_(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """1-bit Adam (`shoal.optim.onebit_adam`): Adam on the all-reduced gradients for

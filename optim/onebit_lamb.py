@@ -191,8 +191,9 @@ def onebit_lamb(
             return step.tree([jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r])
 
         # A branch, not `run_if`: its result is small, and a loop would copy what it reads.
+        # It reads one copy of the momentum: the same on every worker (`two_stage`).
         keep = lambda _: state.scale
-        scale = vma.cond(step.count == freeze_step, fresh, keep, state.mu)
+        scale = vma.cond(step.count == freeze_step, fresh, keep, one(state.mu))
         return state._replace(scale=scale), scale
 
     def compressed(state, mu_last, step):

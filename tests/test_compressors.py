@@ -195,3 +195,56 @@ def test_wrong_memory_is_named():
     bad = (jnp.zeros(7),)
     with pytest.raises(ValueError, match=r"error must be float32\[8\]"):
         jax.vmap(lambda x: codec.mean(x, bad, collective=coll), axis_name="workers")(x)
+
+
+# ---- a list of parts is their concatenation ------------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("codec", [*FEEDBACK, Float32()], ids=repr)
+def test_parts_are_the_concatenation(codec):
+    """mean([a, b, c]) is mean(concat([a, b, c])), outputs and memory, over steps that
+    carry the error feedback (`tree_mean` hands the leaves over this way): within float32
+    rounding, as XLA may contract a multiply-add into an FMA in one program and not in
+    the other (bit for bit on simulated workers here; not fp4's decode under MPI)."""
+    p = n_workers()
+    steps, sizes = 3, (13, 1, 36)  # 50 values: the padding holds error feedback too
+    x = inputs(5, steps, p, sum(sizes))
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    coll = None if UNDER_MPI else AxisCollective("workers", p)
+
+    def worker(coll, xs):
+        def body(carry, x_t):
+            whole, parts = carry
+            y, whole = codec.mean(x_t, whole, collective=coll)
+            z, parts = codec.mean(jnp.split(x_t, cuts), parts, collective=coll)
+            return (whole, parts), (y, z)
+
+        memory = codec.init(sum(sizes), coll.size)
+        return jax.lax.scan(body, (memory, memory), xs)
+
+    out = run_workers(worker, jnp.asarray(x.transpose(1, 0, 2)), collective=coll)
+    same = lambda a, b: np.testing.assert_allclose(
+        np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6
+    )
+    for (whole, parts), (y, z) in out.values():
+        same(z, y)
+        assert np.abs(np.asarray(y)).max() > 0
+        for a, b in zip(whole, parts):
+            same(b, a)
+
+
+@pytest.mark.parametrize(
+    "parts,error,words",
+    [
+        ([jnp.ones(3), jnp.ones(2, jnp.float16)], TypeError, r"x\[1\] must be float32"),
+        ([jnp.ones(3), jnp.ones((2, 2))], ValueError, r"x\[1\] must be a 1-D"),
+        ([], ValueError, "at least one value"),
+        ([jnp.ones(0)], ValueError, "at least one value"),
+    ],
+)
+def test_bad_parts_are_named(parts, error, words):
+    coll = AxisCollective("workers", 1)
+    codec = OneBit()
+    with pytest.raises(error, match=words):
+        codec.mean(parts, codec.init(8, 1), collective=coll)
