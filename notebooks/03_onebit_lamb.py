@@ -34,7 +34,7 @@ from shoal.comms import (
 )
 from shoal.experiments.config import Config
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.optim import onebit_lamb
+from shoal.optim import onebit_lamb, onebit_moments
 
 SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer workers and steps
 N = 4 if SMALL else 8  # simulated workers
@@ -117,9 +117,9 @@ def run(tx):
         loss, grads = jax.value_and_grad(task.loss)(params, x, y)
         updates, new = tx.update(grads, state, params)
         scales = new.scale  # frozen at the first compressed step
-        fed = [
-            (B1 * m + (1 - B1) * g) * k for m, g, k in zip(*map(leaves, (state.mu, grads, scales)))
-        ]
+        # The momentum whole: simulated workers hold one chunk of it each.
+        mu, new_mu = (onebit_moments(s, params, collective=coll)["mu"] for s in (state, new))
+        fed = [(B1 * m + (1 - B1) * g) * k for m, g, k in zip(*map(leaves, (mu, grads, scales)))]
         probe = {
             "loss": loss,
             "bytes": new.wire.step.sent,
@@ -128,7 +128,7 @@ def run(tx):
             "scale": jnp.stack(leaves(scales)),
             "worker_error": new.worker_error,
             "server_error": new.server_error,
-            "out": flat(jax.tree.map(jnp.multiply, new.mu, scales)),
+            "out": flat(jax.tree.map(jnp.multiply, new_mu, scales)),
             "exact": coll.all_reduce(jnp.concatenate([a.ravel() for a in fed]), "mean"),
         }
         return optax.apply_updates(params, updates), new, probe

@@ -16,7 +16,7 @@ from shoal.optim.nonfinite import (
     SkipNonFiniteTransformation,
     skip_nonfinite,
 )
-from shoal.optim.onebit import OneBitAdamState, OneBitLambState
+from shoal.optim.onebit import OneBitAdamState, OneBitLambState, onebit_moments
 from shoal.optim.onebit_adam import onebit_adam
 from shoal.optim.onebit_lamb import onebit_lamb
 from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
@@ -58,6 +58,7 @@ __all__ = [
     "noise_scale",
     "onebit_adam",
     "onebit_lamb",
+    "onebit_moments",
     "partial_exchange",
     "peer_averaging",
     "peer_permutation",

@@ -156,14 +156,12 @@ def onebit_lamb(
             nu_fresh=zeros, coeff_avg=scalar(0.0), last_factor=scalar(1.0), scale=scalar(1.0)
         )
 
-    one = collective.uniform  # what the exchanges alone make (`two_stage`): one copy
-
     def warmup(state, step):
         p = step.params
         # Stored, then its norm taken: the coefficients do not hang on XLA's fusion.
         us = [
             _on_its_own(m / (jnp.sqrt(v) + eps) + weight_decay * w)
-            for m, v, w in zip(leaves(state.mu), one(leaves(state.nu)), p)
+            for m, v, w in zip(leaves(state.mu), leaves(state.nu), p)
         ]
         norms = _norms([*p, *us], collective)
         rate, avg = [], []
@@ -191,14 +189,13 @@ def onebit_lamb(
             return step.tree([jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r])
 
         # A branch, not `run_if`: its result is small, and a loop would copy what it reads.
-        # It reads one copy of the momentum: the same on every worker (`two_stage`).
         keep = lambda _: state.scale
-        scale = vma.cond(step.count == freeze_step, fresh, keep, one(state.mu))
+        scale = vma.cond(step.count == freeze_step, fresh, keep, state.mu)
         return state._replace(scale=scale), scale
 
     def compressed(state, mu_last, step):
         mu, p = leaves(state.mu), step.params
-        nu, nu_fresh = one((leaves(state.nu), leaves(state.nu_fresh)))
+        nu, nu_fresh = leaves(state.nu), leaves(state.nu_fresh)
         fresh, u_pres, us, raw = [], [], [], []
         for m, m_last, v, vf, w in zip(mu, mu_last, nu, nu_fresh, p):
             g_rec = (m - b1 * m_last) / (1 - b1)
@@ -232,4 +229,5 @@ def onebit_lamb(
         warmup=warmup,
         scales=scales,
         compressed=compressed,
+        held=("mu", "nu", "nu_fresh"),
     )

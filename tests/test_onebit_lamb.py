@@ -12,7 +12,7 @@ import pytest
 from harness import UNDER_MPI, n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, wire_bytes
-from shoal.optim import onebit_adam, onebit_lamb
+from shoal.optim import onebit_adam, onebit_lamb, onebit_moments
 
 N = n_workers()
 SHAPES = {"b": (7,), "w": (5, 6)}  # tree_leaves order: b, w; n = 37
@@ -188,8 +188,9 @@ def to_oracle(params, grads):
     return leaves, [[[x[i, t] for x in g] for t in range(STEPS)] for i in range(workers)]
 
 
-def run_tx(make_tx, params, grads, collective=None):
-    """{rank: (params after each step [T], final state)}."""
+def run_tx(make_tx, params, grads, collective=None, whole=False):
+    """{rank: (params after each step [T], final state)}; ``whole``: and the moments read
+    whole at the end (`shoal.optim.onebit_moments`)."""
 
     def worker(coll, g):
         tx = make_tx(coll)
@@ -200,7 +201,8 @@ def run_tx(make_tx, params, grads, collective=None):
             u, state = tx.update(jax.tree.map(lambda x, t=t: x[t], g), state, p)
             p = optax.apply_updates(p, u)
             hist.append(p)
-        return jax.tree.map(lambda *x: jnp.stack(x), *hist), state
+        hist = jax.tree.map(lambda *x: jnp.stack(x), *hist)
+        return (hist, state, onebit_moments(state, p, collective=coll)) if whole else (hist, state)
 
     return run_workers(worker, grads, collective=collective)
 
@@ -258,12 +260,14 @@ def test_onebit_lamb_momentum_mask():
         lambda c: onebit_lamb(0.02, collective=c, freeze_step=FREEZE, momentum_mask=mask),
         params,
         grads,
+        whole=True,
     )
     leaves, g = to_oracle(params, grads)
     expected = lamb_oracle(leaves, g, 0.02, 0.0, mask=jax.tree.leaves(mask))
-    check_history(out, expected)
-    for hist, state in out.values():
-        assert not np.asarray(state.mu["b"])[2:].any()
+    check_history({r: o[:2] for r, o in out.items()}, expected)
+    for hist, _, whole in out.values():
+        assert np.asarray(whole["mu"]["b"])[:2].all()
+        assert not np.asarray(whole["mu"]["b"])[2:].any()
         # Masked elements of b never move after the freeze (no weight decay).
         b = np.asarray(hist["b"])
         np.testing.assert_array_equal(b[FREEZE:, 2:], b[FREEZE - 1 : FREEZE, 2:].repeat(6, 0))
@@ -405,3 +409,30 @@ def test_non_float_leaves_rejected(factory):
         factory(0.01, collective=coll, freeze_step=0)
     with pytest.raises(TypeError, match="not a callable"):
         factory(0.01, collective=lambda x: x, freeze_step=1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", [onebit_lamb, onebit_adam], ids=lambda f: f.__name__)
+def test_moments_held_once_on_simulated_workers(algorithm):
+    """Under vmap each worker holds one chunk of m, v (and v_fresh): worker r elements [r c,
+    (r + 1) c) of each leaf's padded ravel, c = ceil(numel / P), so the N workers hold one
+    copy; under MPI each holds them whole. `onebit_moments` reads them whole, the same everywhere,
+    and the oracle tests above pass on both layouts."""
+    params, grads = make_problem(N, seed=4)  # leaves of 7 and 30: 7 does not cut into 4
+    out = run_tx(lambda c: algorithm(0.02, collective=c, freeze_step=FREEZE), params, grads,
+                 whole=True)  # fmt: skip
+    fields = ("mu", "nu", "nu_fresh") if algorithm is onebit_lamb else ("mu", "nu")
+    wholes = [w for _, _, w in out.values()]
+    for f in fields:
+        for name, p in params.items():
+            got = np.asarray(wholes[0][f][name])
+            assert got.shape == p.shape and np.abs(got).max() > 0
+            for w in wholes[1:]:
+                np.testing.assert_array_equal(np.asarray(w[f][name]), got)
+            held = [np.asarray(getattr(state, f)[name]) for _, state, _ in out.values()]
+            if UNDER_MPI:
+                np.testing.assert_array_equal(held[0], got)
+                continue
+            c = -(-p.size // N)
+            assert all(h.shape == (c,) for h in held)
+            np.testing.assert_array_equal(np.concatenate(held)[: p.size], got.ravel())

@@ -224,7 +224,13 @@ def test_every_transformation_is_listed():
 
     import shoal.optim as optim
 
-    helpers = {"noise_scale", "peer_permutation", "pgx_partition", "update_and_apply"}
+    helpers = {
+        "noise_scale",
+        "onebit_moments",
+        "peer_permutation",
+        "pgx_partition",
+        "update_and_apply",
+    }
     public = {n for n in optim.__all__ if inspect.isfunction(getattr(optim, n))} - helpers
     assert set(FACTORIES) == public
 

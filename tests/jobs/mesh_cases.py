@@ -6,7 +6,8 @@ under ``vmap``.
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set before jax starts). For every
 case it trains 7 steps on 4 workers (flat: a mesh axis ``"workers"``; two-tier: a 2 x 2
 mesh ``("group", "member")``) and stores the final params and state of both engines
-(``CASE/vmap/i``, ``CASE/mesh/i``), or ``CASE/error`` with the exception's text.
+(``CASE/vmap/i``, ``CASE/mesh/i``; 1-bit Adam/LAMB's moments whole), or ``CASE/error``
+with the exception's text.
 """
 
 import sys
@@ -127,6 +128,26 @@ def trainer(tx):
     return train
 
 
+ONEBIT = (optim.OneBitAdamState, optim.OneBitLambState)
+
+
+def whole_moments(train):
+    """``train`` returning 1-bit Adam/LAMB's moments whole (over `coll`): simulated workers
+    hold one chunk of them each, devices the whole (`shoal.optim.onebit.Held`)."""
+
+    def whole(s, params):
+        if not isinstance(s, ONEBIT):
+            return s
+        return s._replace(**optim.onebit_moments(s, params, collective=coll))
+
+    def run(params, grads):
+        params, state = train(params, grads)
+        onebit = lambda s: isinstance(s, ONEBIT)
+        return params, jax.tree.map(lambda s: whole(s, params), state, is_leaf=onebit)
+
+    return run
+
+
 def per_worker(fn):
     # A shard of P("workers") is one worker's block: a leading axis of size 1.
     def run(*args):
@@ -168,7 +189,7 @@ def main(out_path: str) -> None:
             params, grads = data(name.endswith("_nan"))
             try:
                 for engine, wrap in engines(two_tier).items():
-                    result = jax.jit(wrap(trainer(make())))(params, grads)
+                    result = jax.jit(wrap(whole_moments(trainer(make()))))(params, grads)
                     for i, leaf in enumerate(jax.tree.leaves(result)):
                         out[f"{name}/{engine}/{i}"] = np.asarray(leaf)
             except Exception:  # reported by the test that owns the case
