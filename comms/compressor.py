@@ -346,9 +346,10 @@ def tree_mean(
 ):
     """The mean of a pytree over the workers, plain or through a compressor.
 
-    ``exchange=None`` all-reduces the tree (mean) as it is; a `Compressor` gets every leaf
-    flattened into one float32 vector (``exchange.mean``, its error feedback in
-    ``memory``), and the mean is cut back into leaves of the tree's shapes and dtypes.
+    ``exchange=None`` all-reduces the tree (mean) as it is; a `Compressor` gets the
+    leaves as one float32 vector, their concatenation (``exchange.mean`` of the flattened
+    leaves as parts, its error feedback in ``memory``), and the mean is cut back into
+    leaves of the tree's shapes and dtypes.
 
     Args:
       tree: a pytree of floating arrays, this worker's values.
@@ -375,11 +376,13 @@ def tree_mean(
         nbytes = all_reduce_bytes(tree_nbytes(tree), collective.size)
         return collective.all_reduce(tree, "mean"), memory, nbytes
     leaves, treedef = jax.tree.flatten(tree)
-    y, memory = exchange.mean(
-        [jnp.ravel(x).astype(jnp.float32) for x in leaves], memory, collective=collective
-    )
+    # The leaves as parts: their concatenation is never written out before the error is
+    # added (`Compressor.mean`).
+    parts = [jnp.ravel(x).astype(jnp.float32) for x in leaves]
+    y, memory = exchange.mean(parts, memory, collective=collective)
     out, start = [], 0
     for x in leaves:
         out.append(y[start : start + x.size].reshape(x.shape).astype(x.dtype))
         start += x.size
-    return jax.tree.unflatten(treedef, out), memory, exchange.wire_bytes(start, collective.size)
+    n = sum(p.shape[0] for p in parts)
+    return jax.tree.unflatten(treedef, out), memory, exchange.wire_bytes(n, collective.size)

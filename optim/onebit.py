@@ -18,7 +18,7 @@ worker and server errors) is in the optax state, so a checkpoint resumes exactly
 on every worker. Simulated workers hold one copy of the moments between them, a chunk
 each (`Held`; `onebit_moments` reads them whole), so a step reads and writes one copy,
 not N (1-bit LAMB's compression stage at 1.05M params x 16: 1.80x local SGD's step ->
-1.44x, at x 64 1.68x -> 1.39x; LAMB 1.41x -> 1.19x at x 16).
+1.44x, side by side in one process; 1.39x at x 64).
 Unlike the DeepSpeed implementation, the first step is a real step. Gradients are not
 checked for NaN/Inf here: wrap the optimizer in `shoal.optim.skip_nonfinite`.
 
