@@ -53,13 +53,15 @@ def check_n(n) -> int:
     return check_int("n", n, 1)
 
 
-def check_vector(x) -> jax.Array:
-    """``x`` as a non-empty float32 vector, or a TypeError / ValueError saying why not."""
+def check_vector(x, name: str = "x", empty: bool = False) -> jax.Array:
+    """``x`` as a float32 vector (non-empty unless ``empty``), or a TypeError / ValueError
+    naming ``name`` and saying why not."""
     if getattr(x, "dtype", jnp.float32) != jnp.float32:
-        raise TypeError(f"x must be float32, got dtype {x.dtype}")
+        raise TypeError(f"{name} must be float32, got dtype {x.dtype}")
     x = jnp.asarray(x)
-    if x.ndim != 1 or x.shape[0] < 1:
-        raise ValueError(f"x must be a non-empty 1-D float32 vector, got shape {x.shape}")
+    if x.ndim != 1 or (x.shape[0] < 1 and not empty):
+        kind = "1-D" if empty else "non-empty 1-D"
+        raise ValueError(f"{name} must be a {kind} float32 vector, got shape {x.shape}")
     return x
 
 
@@ -68,14 +70,7 @@ def check_parts(x) -> list[jax.Array]:
     of total length ``>= 1``, or a TypeError / ValueError saying why not."""
     if not isinstance(x, (list, tuple)):
         return [check_vector(x)]
-    parts = []
-    for i, p in enumerate(x):
-        if getattr(p, "dtype", jnp.float32) != jnp.float32:
-            raise TypeError(f"x[{i}] must be float32, got dtype {p.dtype}")
-        p = jnp.asarray(p)
-        if p.ndim != 1:
-            raise ValueError(f"x[{i}] must be a 1-D float32 vector, got shape {p.shape}")
-        parts.append(p)
+    parts = [check_vector(p, f"x[{i}]", empty=True) for i, p in enumerate(x)]
     if not sum(p.shape[0] for p in parts):
         raise ValueError("x must hold at least one value, got no parts or only empty ones")
     return parts

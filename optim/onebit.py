@@ -16,9 +16,9 @@ Every piece of state (moments, frozen and fresh variance, LAMB coefficients and 
 worker and server errors) is in the optax state, so a checkpoint resumes exactly. ``m``,
 ``v``, ``v_fresh`` and the layer scales come from the exchanges alone and are the same
 on every worker. Simulated workers hold one copy of the moments between them, a chunk
-each (`Held`; `onebit_moments` reads them whole), so a step reads and writes one copy,
-not N (1-bit LAMB's compression stage at 1.05M params x 16: 1.80x local SGD's step ->
-1.44x, side by side in one process; 1.39x at x 64).
+each (`shoal.optim.held.Held`; `onebit_moments` reads them whole), so a step reads and
+writes one copy, not N (1-bit LAMB's compression stage at 1.05M params x 16: 1.80x local
+SGD's step -> 1.44x, side by side in one process; 1.39x at x 64).
 Unlike the DeepSpeed implementation, the first step is a real step. Gradients are not
 checked for NaN/Inf here: wrap the optimizer in `shoal.optim.skip_nonfinite`.
 
@@ -41,22 +41,22 @@ import optax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
-from shoal.comms.collective import Collective, is_simulated
+from shoal.comms.collective import Collective
 from shoal.comms.compressed import OneBit
 from shoal.comms.compressor import tree_mean
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter
+from shoal.optim.held import Held
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
-    check_tree_like,
     checked,
     concrete_float,
     require_params,
 )
 
-__all__ = ["Held", "OneBitAdamState", "OneBitLambState", "onebit_moments"]
+__all__ = ["OneBitAdamState", "OneBitLambState", "onebit_moments"]
 
 
 class OneBitAdamState(NamedTuple):
@@ -191,74 +191,6 @@ class _Step(NamedTuple):
 
 def _f32(xs):
     return [jnp.asarray(x, jnp.float32) for x in xs]
-
-
-class Held(NamedTuple):
-    """How the moments ``m``, ``v`` (and 1-bit LAMB's ``v_fresh``) are held. They come from
-    the exchanges alone, so they are the same on every worker. Whole on every worker
-    under MPI and shard_map; on simulated workers (vmap) cut into one chunk per worker,
-    worker ``r`` holding elements ``[r c, (r + 1) c)`` of each leaf's padded ravel (``c =
-    ceil(numel / P)``), so that the N workers hold one copy and a step writes one, not N
-    (read back whole through the free all-gather of `AxisCollective`)."""
-
-    collective: Collective
-    cut: int  # chunks per leaf: P simulated, else 1 (whole)
-
-    @classmethod
-    def of(cls, collective: Collective) -> Held:
-        """The layout for ``collective``, at trace time (inside its vmap or shard_map)."""
-        return cls(collective, collective.size if is_simulated(collective) else 1)
-
-    def chunk(self, n: int) -> int:
-        return -(-n // self.cut)
-
-    def zeros(self, params) -> Any:
-        return jax.tree.map(
-            lambda p: jnp.zeros(
-                (self.chunk(math.prod(jnp.shape(p))),) if self.cut > 1 else jnp.shape(p),
-                jnp.float32,
-            ),
-            params,
-        )
-
-    def load(self, held: list, like: list) -> list:
-        """The whole leaves (shaped as ``like``'s) from what this worker holds."""
-        if self.cut == 1:
-            return held
-        out = []
-        for h, x in zip(held, like):
-            rows = self.collective.all_gather(h)  # [P, c]: under vmap a free view
-            out.append(rows.reshape(-1)[: math.prod(x.shape)].reshape(x.shape))
-        return out
-
-    def store(self, values: list) -> list:
-        """What this worker holds of ``values`` (whole leaves, the same on every worker)."""
-        if self.cut == 1:
-            return values
-        rank, out = self.collective.rank(), []
-        for v in values:
-            c = self.chunk(v.size)
-            rows = jnp.pad(jnp.ravel(v), (0, c * self.cut - v.size)).reshape(self.cut, c)
-            out.append(rows[rank])  # under vmap: one copy, each worker its row
-        return out
-
-    def check(self, name: str, held: Any, grads: Any) -> None:
-        """A ValueError naming the first leaf of ``grads`` that ``held`` was not made for
-        (init was given other params)."""
-        if self.cut == 1:
-            check_tree_like(name, "the gradient (updates)", grads, held, "the params given to init")
-            return
-        paths = jax.tree_util.tree_flatten_with_path(grads)[0]
-        if jax.tree.structure(grads) != jax.tree.structure(held):
-            check_tree_like(name, "the gradient (updates)", grads, held, "the params given to init")
-        for (path, g), h in zip(paths, jax.tree.leaves(held)):
-            if jnp.shape(h) != (self.chunk(math.prod(jnp.shape(g))),):
-                raise ValueError(
-                    f"{name}: the gradient (updates) leaf {jax.tree_util.keystr(path)} has "
-                    f"shape {tuple(jnp.shape(g))}, whose chunk on {self.cut} simulated "
-                    f"workers is {self.chunk(math.prod(jnp.shape(g)))} values; the state "
-                    f"holds {tuple(jnp.shape(h))} (init was given other params)"
-                )
 
 
 def _numel(tree) -> int:

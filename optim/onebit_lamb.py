@@ -195,9 +195,8 @@ def onebit_lamb(
 
     def compressed(state, mu_last, step):
         mu, p = leaves(state.mu), step.params
-        nu, nu_fresh = leaves(state.nu), leaves(state.nu_fresh)
         fresh, u_pres, us, raw = [], [], [], []
-        for m, m_last, v, vf, w in zip(mu, mu_last, nu, nu_fresh, p):
+        for m, m_last, v, vf, w in zip(mu, mu_last, leaves(state.nu), leaves(state.nu_fresh), p):
             g_rec = (m - b1 * m_last) / (1 - b1)
             fresh.append(b2 * vf + (1 - b2) * g_rec * g_rec)
             denom = jnp.sqrt(v) + eps
