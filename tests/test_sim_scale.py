@@ -15,10 +15,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "sim_scale.py"
-# Width 32 (4224 parameters), 4 workers, one rep of one step; one algorithm of each kind.
+# Width 32 (4224 parameters), 4 workers, one rep of one step; one algorithm of each kind;
+# the cell run in two processes, as the targets' cells are.
 SMALLEST = (
     "--sizes 32 --workers 4 --algorithms ssgd,bmuf,onebit_lamb --reps 1 --block 1 "
-    "--chunk-case 32,4,2,32"
+    "--repeat 32,4,2 --chunk-case 32,4,2,32"
 ).split()
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="runs its own simulated workers")
@@ -76,6 +77,13 @@ def test_smallest_configuration_runs():
         assert cells[1] == target, (label, cells)
     assert f"| algorithm | {col} | target (1M; N = 16, 64) |" in out
     assert float(rows["local SGD, ms/step (= 1.00)"][0]) > 0
+    # Two runs: each ratio of the grid is the median (here the mean) of the runs' ratios.
+    runs = table(out.split("### The repeated cells, run by run")[1])
+    for label in ("ssgd", "bmuf (block 10, amortised)", "onebit_lamb compression stage"):
+        each = [float(v) for v in runs[label][0].split(", ")]
+        assert len(each) == 2, (label, runs[label])
+        assert abs(float(rows[label][0]) - sum(each) / 2) <= 0.011, (label, rows[label], each)
+    assert len(runs["local SGD, ms/step"][0].split(", ")) == 2
     # MB per worker: at least the 4224 float32 parameters of the model.
     memory = table(memory)
     assert set(memory) >= {"local SGD", "ssgd", "bmuf", "onebit_lamb compression stage"}
