@@ -359,7 +359,7 @@ def _check_peers(cfg: Config) -> None:
 
 
 @register(
-    "peer", check=_check_peers, fields=("peer_strategy", "peer_staleness"), skip_in_place=True
+    "peer", check=_check_peers, fields=("peer_strategy", "peer_staleness"), skip_in_place="apply"
 )
 def peer(cfg: Config, collective: Any) -> optax.GradientTransformation:
     """KungFu's peer model averaging (`shoal.optim.peer_averaging`) around `local_sgd`:

@@ -22,6 +22,7 @@ from shoal.optim.onebit_lamb import onebit_lamb
 from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
 from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
 from shoal.optim.powersgd import PowerSGDState, powersgd
+from shoal.optim.prefetch import PrefetchingTransformation
 from shoal.optim.sma import SMAState, sma
 from shoal.optim.streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from shoal.optim.topk import TopKState, topk
@@ -42,6 +43,7 @@ __all__ = [
     "PartialExchangeState",
     "PeerAveragingState",
     "PowerSGDState",
+    "PrefetchingTransformation",
     "SMAState",
     "SkipNonFiniteState",
     "SkipNonFiniteTransformation",

@@ -31,9 +31,11 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, ppermute_switch
 from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
+from shoal.optim.prefetch import PREFETCHED, prefetching
 from shoal.optim.validation import (
     check_collective,
     check_floating_leaves,
+    check_tree_like,
     checked,
     require_params,
 )
@@ -124,10 +126,14 @@ def peer_averaging(
     "seed")``.
 
     Returns:
-      an ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` returns
+      a `shoal.optim.PrefetchingTransformation` (an
+      ``optax.GradientTransformationExtraArgs``) whose ``init(params)`` returns
       a `PeerAveragingState` and whose ``update(updates, state, params=None)``
       returns ``(updates, new_state)``; ``optax.apply_updates(params, updates)``
-      is the averaged model plus the local update.
+      is the averaged model plus the local update. Its ``prefetch(state, params)`` is
+      the step's exchange alone (it reads no gradient), which `skip_nonfinite` with
+      ``in_place="apply"`` makes before its in-place branch and hands to ``update`` as
+      ``prefetched`` (`shoal.optim.prefetch`).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -176,24 +182,37 @@ def peer_averaging(
             wire=WireMeter.zero(),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
-        require_params("peer_averaging", params)
-        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    def exchange(state, params):
+        """The model this worker receives at ``state.step``: its peer's ``params``, or
+        with staleness the model its peer kept ``staleness`` steps ago."""
         t = collective.uniform(state.step)  # the same on every worker: a real switch
-        history = state.history
+        sent = params
         if staleness:
             slot = t % staleness
-            sent = jax.tree.map(lambda h: lax.dynamic_index_in_dim(h, slot, 0, False), history)
+            sent = jax.tree.map(
+                lambda h: lax.dynamic_index_in_dim(h, slot, 0, False), state.history
+            )
+        index = pick(t)
+        return jax.tree.map(lambda x: ppermute_switch(collective, x, perms, index), sent)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        require_params("peer_averaging", params)
+        received = extra_args.pop(PREFETCHED, None)
+        if received is None:
+            received = exchange(state, params)
+        else:
+            check_tree_like("peer_averaging", PREFETCHED, received, params, "params")
+        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        t = collective.uniform(state.step)
+        history = state.history
+        if staleness:
             history = jax.tree.map(
-                lambda h, p: lax.dynamic_update_index_in_dim(h, p.astype(h.dtype), slot, 0),
+                lambda h, p: lax.dynamic_update_index_in_dim(
+                    h, p.astype(h.dtype), t % staleness, 0
+                ),
                 history,
                 params,
             )
-        else:
-            sent = params
-
-        index = pick(t)
-        received = jax.tree.map(lambda x: ppermute_switch(collective, x, perms, index), sent)
         out = jax.tree.map(
             lambda q, p, u: ((q - p) / 2 + u).astype(u.dtype), received, params, inner_updates
         )
@@ -201,9 +220,10 @@ def peer_averaging(
         wire = state.wire.record(WireCount.of(n, n))
         return out, PeerAveragingState(inner_state, t + 1, history, wire)
 
-    return optax.GradientTransformationExtraArgs(
+    tx = optax.GradientTransformationExtraArgs(
         init_fn, checked("peer_averaging", PeerAveragingState, update_fn)
     )
+    return prefetching(tx, exchange)
 
 
 def peer_permutation(strategy: str, size: int, step: int, seed: int = 0) -> tuple[int, ...]:

@@ -156,6 +156,50 @@ def test_staleness_changes_the_trajectory(strategy):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_prefetched_exchange_is_the_same_step(staleness):
+    # The exchange made apart (`prefetch`, as skip_nonfinite makes it before its branch)
+    # and handed to `update` gives the step `update` takes by itself, bit for bit: the
+    # same received models, updates and state, over steps that wrap the ring buffer.
+    def worker(coll, p, grads):
+        tx = peer_averaging(
+            optax.sgd(LR, momentum=0.9), collective=coll, strategy="random", staleness=staleness
+        )
+
+        def body(carry, g):
+            p, s = carry
+            received = tx.prefetch(s, p)
+            u, s_alone = tx.update(g, s, p)
+            u_pre, s_pre = tx.update(g, s, p, prefetched=received)
+            return (optax.apply_updates(p, u), s_alone), (received, u, s_alone, u_pre, s_pre)
+
+        return lax.scan(body, (p, tx.init(p)), grads)[1]
+
+    out = run_workers(worker, P0, GRADS)
+    expect = oracle("random", staleness, 0.9, 0.0, steps=LONG)
+    for rank, (received, u, s_alone, u_pre, s_pre) in out.items():
+        jax.tree.map(np.testing.assert_array_equal, (u_pre, s_pre), (u, s_alone))
+        # What it received at step t is its source's model before step t - staleness.
+        models = np.concatenate([flat(P0)[None], expect[:-1]])  # [t] = before step t
+        for t in range(LONG):
+            perm = peer_permutation("random", N, t)
+            src = perm.index(rank)
+            want = models[max(t - staleness, 0)][src]
+            np.testing.assert_allclose(flat(received)[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefetched_exchange_of_the_wrong_tree_is_named():
+    tx = peer_averaging(optax.sgd(LR), collective=AxisCollective("w", 2))
+    p = {"b": jnp.zeros((2, 3)), "w": jnp.zeros((2, 2, 3))}
+
+    def step(p):
+        return tx.update(p, tx.init(p), p, prefetched={"b": p["b"]})
+
+    with pytest.raises(ValueError, match=r"peer_averaging: prefetched does not have the tree"):
+        jax.vmap(step, axis_name="w")(p)
+
+
+@pytest.mark.mpi
 def test_zero_gradients_keep_the_mean_model():
     # Averaging along a permutation conserves the sum of the models.
     def worker(coll, p):
