@@ -61,7 +61,7 @@ class Launch:
 LAUNCH: dict[str, Launch] = {
     "mpi_allreduce": Launch(ranks=4),
     "bfb_allreduce": Launch(ranks=6, args=("--fused",)),
-    # Every quickstart algorithm at 0.1M-4M parameters and 8-64 workers: ~15 min on 2 cores.
+    # Every quickstart algorithm at 0.1M-4M parameters and 8-64 workers: ~27 min on 2 cores.
     "sim_scale": Launch(timeout=2700),
 }
 

@@ -70,9 +70,9 @@ from JAX's compilation cache (a temporary directory) instead of compiling them a
 By default the grid skips the combinations whose baseline alone would hold more than
 ``2e8`` parameters (4.2M x 64: ~1 GB per copy of the model, about 1.5 s per local step on
 2 cores: too long for the default run); asking for one with ``--sizes``/``--workers`` runs
-it. ``--reps``/``--block`` default by the speed of local SGD's step (`SPEED`), so that the
-default run stays near 15 minutes on a 2-core machine: fewer reps and shorter blocks where
-a step is slow.
+it. ``--reps``/``--block`` default by the speed of local SGD's step (`SPEED`), so that one
+run of each cell stays near 17 minutes on a 2-core machine (the default run, with the
+targets' cells three times, about 27): fewer reps and shorter blocks where a step is slow.
 """
 
 from __future__ import annotations
