@@ -62,7 +62,7 @@ has one configuration. The grad_chunk comparisons run in the parent.
 
 The targets' cells (1.05M x 16 and x 64) run in three processes each (``--repeat``), and
 each of their ratios is the median of the three runs': from one process to the next,
-local SGD's own step moved by up to 10% (37.9, 41.4 and 41.0 ms at 1.05M x 16), and every
+local SGD's own step moved by up to 10% (41.0, 41.4 and 37.9 ms at 1.05M x 16), and every
 ratio with it, more than the interleaving within a process leaves. The report gives
 every run's ratios too. The further runs come after the grid, and load their programs
 from JAX's compilation cache (a temporary directory) instead of compiling them again.
