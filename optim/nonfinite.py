@@ -302,8 +302,7 @@ def skip_nonfinite(
     check_nonfinite(nonfinite)
     if in_place not in IN_PLACE:
         raise ValueError(f"in_place must be None, True, False or 'apply', got {in_place!r}")
-    tx_inner = inner  # what it was given, whose prefetch (if any) apply_step calls
-    inner = optax.with_extra_args_support(inner)
+    inner = optax.with_extra_args_support(inner)  # an ExtraArgs one (prefetch too) as it is
     workers = 1
     for c in collectives:
         workers *= c.size
@@ -337,7 +336,7 @@ def skip_nonfinite(
 
     def apply_step(updates, state, params, **extra_args):
         """`update_and_apply`: params and inner state in one in-place branch."""
-        prefetch = getattr(tx_inner, "prefetch", None)
+        prefetch = getattr(inner, "prefetch", None)
         if prefetch is not None and jax.tree.leaves(updates):
             # An exchange that reads no gradient (peer averaging's models) is made before
             # the branch, so that the branch is one element-wise pass (`shoal.optim.prefetch`).
