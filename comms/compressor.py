@@ -354,7 +354,8 @@ def tree_mean(
 
     Returns:
       ``(mean, memory, (sent, received))``: the mean tree, the updated memory and the
-      bytes of the exchange per worker (static Python ints).
+      bytes of the exchange per worker (static Python ints). A tree without values is
+      returned as it is, with ``memory`` and no bytes.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -371,6 +372,9 @@ def tree_mean(
         nbytes = all_reduce_bytes(tree_nbytes(tree), collective.size)
         return collective.all_reduce(tree, "mean"), memory, nbytes
     leaves, treedef = jax.tree.flatten(tree)
+    if not sum(x.size for x in leaves):
+        # Nothing to send (no leaves, or only zero-size ones); a codec takes no empty buffer.
+        return tree, memory, (0, 0)
     # The leaves as parts: their concatenation is never written out before the error is
     # added (`Compressor.mean`).
     parts = [jnp.ravel(x).astype(jnp.float32) for x in leaves]

@@ -25,7 +25,7 @@ from shoal.comms.gradient_order import broadcast_order
 from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes
-from shoal.optim.validation import check_collective, check_floating_leaves, checked
+from shoal.optim.validation import check_collective, checked
 
 
 class BFBState(NamedTuple):
@@ -133,7 +133,6 @@ def bfb_allreduce(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        check_floating_leaves("updates", updates)
         check_sharded_alike("bfb_allreduce", jax.tree.leaves(updates), tiers)
         plan = plan_fusion(
             updates, buffer_bytes=buffer_bytes, num_shards=local * shards, order=order

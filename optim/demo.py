@@ -44,8 +44,9 @@ class DeMoState(NamedTuple):
     """State of `demo`.
 
     Attributes:
-      momentum: param-shaped tree (the params' dtypes), this worker's decoupled momentum
-        ``m_i`` after the most recent extraction: what it has not sent yet.
+      momentum: param-shaped tree, this worker's decoupled momentum ``m_i`` after the most
+        recent extraction: what it has not sent yet; float32 for float32 and narrower
+        params, float64 for float64.
       step: int32 count of updates done.
       wire: bytes of this transformation's own collectives in the most recent update and
         since init.
@@ -104,6 +105,12 @@ def _decode(vals: jax.Array, idx: jax.Array, plan: _Plan, dtype: Any, scale: flo
     return chunk_idct(dense, plan.rows, plan.cols, plan.h, plan.w)
 
 
+def _memory_dtype(x: Any) -> Any:
+    # At least float32: a bfloat16 momentum would round away part of what is not sent
+    # at every step, and that gradient mass would be lost for good.
+    return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+
 # The largest topk: every element of a full 2-D chunk.
 _TOPK_WHY = " (chunk_size ** 2, the elements of a full 2-D chunk)"
 
@@ -156,7 +163,8 @@ def demo(
     are the same, since top-k and sign do not see a scale); the gathered components are
     averaged over all ``N`` workers, where the reference averages each coefficient over
     the workers that sent it (a ``scatter_reduce`` mean; the same when all workers send
-    the same coefficients, e.g. ``topk >= h w``); indices are int32, not int64.
+    the same coefficients, e.g. ``topk >= h w``); indices are int32, not int64; the
+    momentum of bfloat16 or float16 params is float32, not the params' dtype.
 
     Under ``optax.inject_hyperparams`` only ``momentum`` may be injected: pass
     ``static_args=("chunk_size", "topk", "sign")`` (they fix the shapes on the wire).
@@ -221,7 +229,7 @@ def demo(
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
         return DeMoState(
-            momentum=jax.tree.map(jnp.zeros_like, params),
+            momentum=jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), _memory_dtype(x)), params),
             step=jnp.zeros((), jnp.int32),
             wire=WireMeter.zero(),
         )

@@ -163,7 +163,6 @@ def gtc(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
         sizes, n = layout(updates)
         shapes = (treedef, tuple(jnp.shape(x) for x in leaves))

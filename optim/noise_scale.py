@@ -32,7 +32,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.validation import check_collective, check_floating_leaves, checked, concrete_float
+from shoal.optim.validation import check_collective, checked, concrete_float
 from shoal.trees import find_instances
 
 _SCALAR_BYTES = 4  # one float32: the local squared norm
@@ -171,7 +171,6 @@ def gradient_noise_scale(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        check_floating_leaves("updates", updates)
         local_sq = _sq_norm(updates, collective)
         # The squared norm rides in the gradient's all-reduce: no extra message, whose
         # latency would double the exchange's on a large cluster.

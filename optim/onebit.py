@@ -233,7 +233,6 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed, h
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         require_params(name, params)
-        check_floating_leaves("updates", updates)
         layout = Held.of(collective)
         layout.check(name, state.mu, updates)
         leaves, treedef = jax.tree.flatten(updates)

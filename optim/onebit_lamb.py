@@ -183,9 +183,12 @@ def onebit_lamb(
         # so that one shared 1-bit scale does not drown the small layers.
         def fresh(mu):
             mu = leaves(mu)
-            sizes = [math.sqrt(max(worker_size(m, collective), 1)) for m in mu]
-            r = [x / k for x, k in zip(_norms(mu, collective), sizes)]
-            united = sum(r) / len(r)
+            sizes = [worker_size(m, collective) for m in mu]
+            r = [x / math.sqrt(max(k, 1)) for x, k in zip(_norms(mu, collective), sizes)]
+            # A zero-size layer has no magnitude to even out: it stays out of the mean, so
+            # the other layers' scales are those of the tree without it.
+            held = [x for x, k in zip(r, sizes) if k]
+            united = sum(held) / len(held)
             return step.tree([jnp.where(x > 0, united / jnp.where(x > 0, x, 1.0), 1.0) for x in r])
 
         # A branch, not `run_if`: its result is small, and a loop would copy what it reads.
@@ -202,7 +205,9 @@ def onebit_lamb(
             denom = jnp.sqrt(v) + eps
             u_pres.append(m / denom)
             us.append(u_pres[-1] + weight_decay * w)
-            raw.append(jnp.max(_on_its_own(denom / (jnp.sqrt(fresh[-1]) + eps))))
+            ratio = _on_its_own(denom / (jnp.sqrt(fresh[-1]) + eps))
+            # A zero-size layer has no maximum: its factor is kept (below).
+            raw.append(jnp.max(ratio) if ratio.size else jnp.ones((), jnp.float32))
         # The worker's norms and maxima, each in one collective when it spans devices.
         norms = _norms([*us, *u_pres], collective) if decays else None
         raw = worker_max(jnp.stack(raw), collective)
@@ -216,6 +221,8 @@ def onebit_lamb(
                 f = jnp.where(weight_decay > 0, f * rho + (1 - rho), f)
             f = jnp.clip(f, factor_min, factor_max)
             f = jnp.clip(f, f_last * (1 - factor_threshold), f_last * (1 + factor_threshold))
+            if not mu[i].size:  # its update is empty whatever the factor
+                f = f_last
             rate.append(-step.lr * avg * f)
             factors.append(f)
         return state._replace(nu_fresh=step.tree(fresh), last_factor=step.tree(factors)), rate

@@ -37,7 +37,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim.inplace import switch_inplace
-from shoal.optim.validation import check_collective, check_floating_leaves, checked
+from shoal.optim.validation import check_collective, checked
 
 __all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
 
@@ -153,7 +153,6 @@ def partial_exchange(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        check_floating_leaves("updates", updates)
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
         leaves = [x for _, x in with_paths]
         nbytes = [tree_nbytes(x) for x in leaves]

@@ -42,8 +42,9 @@ class PowerSGDState(NamedTuple):
 
     Attributes:
       error: the error feedback ``E`` of this worker, a tree like the gradient: for a
-        compressed leaf an array of the leaf's shape and dtype (zero at init), for a leaf
-        sent uncompressed an empty array of shape ``(0,)`` (it has no error).
+        compressed leaf an array of the leaf's shape in its compute dtype (float32 for
+        float32 and narrower params; zero at init), for a leaf sent uncompressed an empty
+        array of shape ``(0,)`` (it has no error).
       q: the warm-start factor ``Q`` of each compressed leaf, ``(m, r)`` in the leaf's
         compute dtype (float32 for float32 and narrower gradients): the all-reduced mean
         ``Q`` of the most recent compressed update, or the seeded normal draw at init;
@@ -207,11 +208,13 @@ def powersgd(
         plan = plan_of(leaves)
         error, q = [], []
         for j, (x, leaf) in enumerate(zip(leaves, plan)):
+            # The error in the compute dtype, not the leaf's: a bfloat16 error would round
+            # away a share of what is not sent at every step (mass lost for good).
             if leaf.rank:
-                error.append(jnp.zeros(np.shape(x), jnp.result_type(x)))
+                error.append(jnp.zeros(np.shape(x), leaf.compute))
                 q.append(draw(j, leaf, 0))
             else:
-                error.append(jnp.zeros((0,), jnp.result_type(x)))
+                error.append(jnp.zeros((0,), leaf.compute))
                 q.append(jnp.zeros((0,), leaf.compute))
         return PowerSGDState(
             error=treedef.unflatten(error),
@@ -222,7 +225,6 @@ def powersgd(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        check_floating_leaves("updates", updates)
         leaves, treedef = jax.tree.flatten(updates)
         plan = plan_of(leaves)
         errors, qs = _state_leaves(treedef, leaves, plan, state)

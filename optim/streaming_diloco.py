@@ -281,7 +281,9 @@ def streaming_diloco(
         if exchange is None:
             memory = tuple(() for _ in frags)
         else:
-            memory = tuple(exchange.init(n, n_workers) for n in fragment_sizes(params))
+            # A fragment of zero-size leaves sends nothing (`tree_mean`); its memory is
+            # that of one value, as a codec holds none for an empty buffer.
+            memory = tuple(exchange.init(max(n, 1), n_workers) for n in fragment_sizes(params))
         return StreamingDiLoCoState(
             inner_state=inner.init(params),
             outer_states=outer_states,
@@ -318,7 +320,7 @@ def streaming_diloco(
             if exchange is None:
                 nbytes = all_reduce_bytes(tree_nbytes(params_p), n_workers)
             else:
-                nbytes = exchange.wire_bytes(sizes[p], n_workers)
+                nbytes = exchange.wire_bytes(sizes[p], n_workers) if sizes[p] else (0, 0)
 
             def sync(carry, idx=idx, params_p=params_p, inner_p=inner_p, nbytes=nbytes):
                 out_p, outer_state, theta_p, memory, _, rounds, wire = carry

@@ -21,7 +21,7 @@ class TopKState(NamedTuple):
     Attributes:
       error: the error feedback: one float32 vector of every leaf padded to whole chunks
         (with ``chunk_size``), or a tree like the params of one flat float32 vector per
-        leaf (without).
+        leaf (without). A zero-size leaf has none (nothing of it is ever sent).
       wire: bytes of the most recent update and since init.
     """
 
@@ -46,7 +46,8 @@ def topk(
 
     With ``chunk_size = L`` every leaf is cut into chunks of ``L`` (its last chunk
     zero-padded; chunks never span two leaves) and all leaves travel in one all-gather;
-    with None each leaf is one chunk and travels in its own all-gather. ``value_bits``
+    with None each leaf is one chunk and travels in its own all-gather. A zero-size leaf
+    sends nothing, and a tree without values no message at all. ``value_bits``
     quantizes the sent values to a sign and ``2^(b-1)`` magnitudes per chunk
     (`shoal.comms.TopK`), the quantization error joining ``e``. Nothing is dropped:
     what was sent plus ``e`` is what came in. ``topk(1.0)`` is S-SGD.
@@ -94,13 +95,14 @@ def topk(
     size = collective.size
 
     def padded(leaf) -> int:
-        return codec.padded_size(max(leaf.size, 1), size)
+        # A zero-size leaf has nothing to send: no chunk, no error, no bytes.
+        return codec.padded_size(leaf.size, size) if leaf.size else 0
 
     def init_fn(params: Any) -> TopKState:
         check_same_structure(params, collective)
         leaves = jax.tree.leaves(params)
         if chunk_size is None:
-            error = jax.tree.map(lambda x: codec.init(max(x.size, 1), size)[0], params)
+            error = jax.tree.map(lambda x: jnp.zeros(padded(x), jnp.float32), params)
         else:
             error = jnp.zeros(sum(padded(x) for x in leaves), jnp.float32)
         return TopKState(error=error, wire=WireMeter.zero())
@@ -112,12 +114,18 @@ def topk(
         if chunk_size is None:
             means, error, sent, received = [], [], 0, 0
             for v, e in zip(flat, treedef.flatten_up_to(state.error)):
-                y, (e,) = codec.mean(_nonempty(v), (e,), collective=collective)
-                means.append(y[: v.size])
+                if not v.size:  # the same on every worker (one tree structure)
+                    means.append(v)
+                    error.append(e)
+                    continue
+                y, (e,) = codec.mean(v, (e,), collective=collective)
+                means.append(y)
                 error.append(e)
-                s, r = codec.wire_bytes(max(v.size, 1), size)
+                s, r = codec.wire_bytes(v.size, size)
                 sent, received = sent + s, received + r
             error = jax.tree.unflatten(treedef, error)
+        elif not state.error.size:  # no leaf holds a value: nothing to exchange
+            means, error, sent, received = flat, state.error, 0, 0
         else:
             # Each leaf padded to whole chunks, so no chunk spans two leaves.
             buffer = jnp.concatenate([jnp.pad(v, (0, padded(v) - v.size)) for v in flat])
@@ -133,9 +141,3 @@ def topk(
         return jax.tree.unflatten(treedef, out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, checked("topk", TopKState, update_fn))
-
-
-def _nonempty(v: jax.Array) -> jax.Array:
-    # A zero-size leaf still takes part in the exchange (as one zero) so every worker's
-    # collectives line up; its mean is cut back to nothing.
-    return v if v.size else jnp.zeros(1, jnp.float32)

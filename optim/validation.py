@@ -44,10 +44,11 @@ def check_positive(name: str, value: Any) -> None:
 def check_floating_leaves(name: str, tree: Any) -> None:
     """Gradients must be floating point: an integer gradient is a bug upstream."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+        dtype = jnp.result_type(leaf)  # no copy of a NumPy leaf to the device, as asarray
+        if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(
                 f"{name} must be floating point; leaf {jax.tree_util.keystr(path)} has "
-                f"dtype {jnp.asarray(leaf).dtype}"
+                f"dtype {dtype}"
             )
 
 
@@ -103,7 +104,7 @@ def check_update_args(
 
     ``state`` must be a ``state_type`` (the result of this transformation's ``init``);
     ``updates`` must match ``reference`` (a params-shaped tree from the state, when the
-    state holds one) and, when given, ``params``.
+    state holds one) and, when given, ``params``, and be floating point.
     """
     if not isinstance(state, state_type):
         got = f"a {type(state).__name__}"
@@ -120,6 +121,9 @@ def check_update_args(
         )
     if params is not None:
         check_tree_like(name, "the gradient (updates)", updates, params, "params")
+    # Here, not in each update: an integer gradient would otherwise come back as an
+    # integer update (a mean of 3.5 as 3) from any transformation that forgot the check.
+    check_floating_leaves(f"{name}: updates", updates)
 
 
 def checked(name: str, state_type: type, update_fn: Any, reference: Any = None) -> Any:
