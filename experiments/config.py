@@ -12,17 +12,41 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from typing import Literal
 
-from shoal.experiments.fields import ConfigError, HyperParameters, TaskFields, check_field
+from shoal.experiments.fields import (
+    ConfigError,
+    HyperParameters,
+    TaskFields,
+    check_field,
+    check_types,
+)
 
 __all__ = ["Config", "ConfigError", "HyperParameters", "RunFields", "TaskFields"]
+
+# The largest seed: NumPy's default_rng refuses negative seeds, and jax.random.key keeps
+# only the low 32 bits of a seed in its default 32-bit mode (2**32 draws as 0 does).
+MAX_SEED = 2**32 - 1
+
+
+def is_folder_name(name: str) -> bool:
+    """Whether ``name`` is one ordinary folder name: not empty, ".", "..", no path
+    separator or NUL, at most 255 bytes (the usual file-name limit)."""
+    seps = {"/", os.sep, os.altsep} - {None}
+    if name in ("", ".", "..") or "\0" in name or any(s in name for s in seps):
+        return False
+    try:
+        return len(os.fsencode(name)) <= 255
+    except UnicodeError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
 class RunFields:
     """The run itself: which algorithms, how many workers, how long, and what it writes."""
 
+    # Also the default output folder, runs/<name>: one ordinary folder name.
     name: str = "experiment"
     algorithms: tuple[str, ...] = ("ssgd",)
 
@@ -65,7 +89,12 @@ class RunFields:
 
     def check_run(self) -> None:
         """`ConfigError` for a run field out of range."""
-        check_field(self.name and "/" not in self.name, "name", "a non-empty str without '/'")
+        check_field(
+            is_folder_name(self.name),
+            "name",
+            "one folder name (the default output folder runs/<name>): not empty, '.' or "
+            f"'..', without '/' or NUL, at most 255 bytes; got {self.name[:60]!r}",
+        )
         check_field(len(self.algorithms) > 0, "algorithms", "at least one algorithm")
         dupes = sorted({a for a in self.algorithms if self.algorithms.count(a) > 1})
         check_field(not dupes, "algorithms", f"distinct names (repeated: {', '.join(dupes)})")
@@ -73,6 +102,11 @@ class RunFields:
             check_field(getattr(self, f) >= 1, f, "an int >= 1")
         check_field(self.grad_chunk >= 0, "grad_chunk", "an int >= 0 (0: all workers at once)")
         check_field(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
+        check_field(
+            0 <= self.seed <= MAX_SEED,
+            "seed",
+            f"an int in [0, {MAX_SEED}] (NumPy and jax.random.key seeds), got {self.seed}",
+        )
         check_field(self.log in ("none", "tensorboard"), "log", '"none" or "tensorboard"')
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
             # Checked here, not when the run's outputs are written: before training.
@@ -83,7 +117,8 @@ class RunFields:
         check_field(
             self.inject_nonfinite == "" or self.injection() is not None,
             "inject_nonfinite",
-            f'"STEP:WORKER" with STEP >= 1 and 0 <= WORKER < workers = {self.workers}, or ""',
+            f'"STEP:WORKER" with 1 <= STEP <= steps = {self.steps} and 0 <= WORKER < '
+            f'workers = {self.workers}, or ""; got {self.inject_nonfinite!r}',
         )
         check_field(self.project_workers >= 0, "project_workers", "an int >= 0 (0: no projection)")
         from shoal.costmodel import PRESETS
@@ -102,7 +137,9 @@ class RunFields:
         if not (colon and step.strip().isdigit() and worker.strip().isdigit()):
             return None
         step, worker = int(step), int(worker)
-        return (step, worker) if step >= 1 and worker < self.workers else None
+        # A step past the last would never fire: the run would look as if it survived it.
+        ok = 1 <= step <= self.steps and worker < self.workers
+        return (step, worker) if ok else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +163,10 @@ class Config(HyperParameters, TaskFields, RunFields):
     """
 
     def __post_init__(self):
-        # Config files may write lists; keep the value hashable and as annotated.
-        for f in ("algorithms", "hidden"):
-            object.__setattr__(self, f, tuple(getattr(self, f)))
+        # Types first, for config files, --set, studies and direct construction alike (and
+        # a subclass's own fields): the checks below compare and count. It also stores
+        # lists as tuples (hashable, as annotated) and ints given for floats as floats.
+        check_types(self)
         self.check_run()
         self.check_task()
         self.check_hyper()

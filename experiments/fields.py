@@ -9,6 +9,11 @@ which concern a field belongs to and keep its checks beside it.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import types
+import typing
+import weakref
 from typing import Any, Literal
 
 
@@ -20,6 +25,154 @@ def check_field(ok: Any, field: str, allowed: str) -> None:
     """Raise `ConfigError` naming ``field`` and what it must be, unless ``ok``."""
     if not ok:
         raise ConfigError(f"config field {field!r} must be {allowed}")
+
+
+# Resolved annotations per dataclass: get_type_hints evaluates every string annotation.
+_HINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # a subclass naming a type out of reach (a local class)
+            # Keep what resolves (Config's own fields); leave the unresolvable ones unchecked.
+            hints = {}
+            for base in reversed(cls.__mro__):
+                try:
+                    hints.update(typing.get_type_hints(base))
+                except Exception:
+                    hints.update(dict.fromkeys(base.__dict__.get("__annotations__", {}), Any))
+        _HINTS[cls] = hints
+    return _HINTS[cls]
+
+
+def check_types(obj: Any, prefix: str = "") -> None:
+    """Check every field of the dataclass ``obj`` against its annotation, in place.
+
+    int: an int, not a bool; float: an int or a float, finite, stored as float; bool; str;
+    ``Literal[...]``; ``tuple[X, ...]`` (or fixed) from a tuple or list, never a str, stored
+    as a tuple; ``X | None``; nested dataclasses (checked field by field). Raises
+    `ConfigError` naming the field, the type expected and the value given.
+    """
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = prefix + f.name
+        conformed = _conform(value, hints.get(f.name, Any), name)
+        if conformed is not value:
+            object.__setattr__(obj, f.name, conformed)  # frozen: the field is not set yet
+
+
+class _Mismatch(Exception):
+    """A value that does not fit its annotation (the caller names the field)."""
+
+
+def _conform(value: Any, tp: Any, name: str) -> Any:
+    try:
+        return _fit(value, tp, name)
+    except _Mismatch:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ConfigError(
+            f"config field {name!r} must be {_describe(tp)}, got {type(value).__name__} {shown}"
+        ) from None
+
+
+def _fit(value: Any, tp: Any, name: str) -> Any:
+    """``value`` as annotated by ``tp`` (converted: list -> tuple, int -> float), or
+    `_Mismatch`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any or isinstance(tp, (str, typing.TypeVar)):
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in args:
+            if option is not type(None):
+                try:
+                    return _fit(value, option, name)
+                except _Mismatch:
+                    pass
+        raise _Mismatch
+    if origin is Literal:
+        # 1 is not True and 1.0 is not 1: the type must match too.
+        for a in args:
+            if value == a and type(value) is type(a):
+                return a
+        raise _Mismatch
+    if tp is tuple or origin is tuple:
+        if not isinstance(value, (tuple, list)):  # a str would be iterated letter by letter
+            raise _Mismatch
+        if not args:
+            return tuple(value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = [_fit(v, args[0], name) for v in value]
+        elif len(args) == len(value):
+            items = [_fit(v, a, name) for v, a in zip(value, args, strict=True)]
+        else:
+            raise _Mismatch
+        same = isinstance(value, tuple) and all(a is b for a, b in zip(items, value, strict=True))
+        return value if same else tuple(items)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _Mismatch
+        return value
+    if tp is int:
+        # An int, not a bool (True would be 1); NumPy integers are ints.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise _Mismatch
+        return value if type(value) is int else int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise _Mismatch
+        # inf and nan pass every range check written as a comparison with nan, and reach
+        # training: refuse them here, for every float field at once.
+        if not math.isfinite(value):
+            raise _Mismatch
+        return value if type(value) is float else float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _Mismatch
+        return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if not isinstance(value, tp):
+            raise _Mismatch
+        check_types(value, prefix=f"{name}.")
+        return value
+    if isinstance(origin or tp, type) and not isinstance(value, origin or tp):
+        raise _Mismatch
+    return value
+
+
+def _describe(tp: Any) -> str:
+    """``tp`` in words: "an int", "a tuple (or list) of str", "a finite float or None"."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        words = [_describe(a) for a in args if a is not type(None)]
+        return " or ".join(words + (["None"] if type(None) in args else []))
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if tp is tuple or origin is tuple:
+        if not args:
+            return "a tuple (or list)"
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a tuple (or list) of {_bare(args[0])}"
+        return f"a tuple (or list) of {len(args)}: ({', '.join(_bare(a) for a in args)})"
+    if tp is int:
+        return "an int"
+    if tp is float:
+        return "a finite float"
+    names = {bool: "a bool", str: "a str"}
+    if tp in names:
+        return names[tp]
+    return f"a {getattr(origin or tp, '__name__', str(tp))}"
+
+
+def _bare(tp: Any) -> str:
+    """``tp`` without its article: "int", "finite float"."""
+    words = _describe(tp)
+    return words.split(" ", 1)[1] if words.startswith(("a ", "an ")) else words
 
 
 @dataclasses.dataclass(frozen=True)

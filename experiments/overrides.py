@@ -8,9 +8,12 @@ keys; `flatten` writes a config's fields back in that spelling.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
+import os
+import re
 import sys
 import types
 import typing
@@ -20,19 +23,42 @@ from typing import Any
 
 from shoal.experiments.config import Config, ConfigError
 
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def is_path(spec: str | Path) -> bool:
+    """Whether the CONFIG ``spec`` names a file (it ends in ``.py`` or holds a path
+    separator); otherwise it is the name of a bundled config."""
+    text = str(spec)
+    return text.endswith(".py") or any(s and s in text for s in ("/", os.sep, os.altsep))
+
+
+def config_path(spec: str | Path) -> Path:
+    """The file of the CONFIG ``spec`` (`is_path`: a path, else a bundled config's
+    name); `ConfigError` when there is none."""
+    if not is_path(spec):
+        # Only the bundled folder: a file of that name here is not a config (no .py).
+        path = CONFIGS / f"{spec}.py"
+        if str(spec).startswith("_") or not path.is_file():
+            raise ConfigError(f"config file not found: {spec}")
+        return path
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {spec}")
+    if path.suffix != ".py":  # importlib cannot load it as a module
+        raise ConfigError(f"{spec}: config files end in .py")
+    return path
+
 
 def load_file(spec: str | Path) -> Any:
     """Run ``get_config()`` from a config file and return what it returns (a `Config`, or
     a `shoal.experiments.runner.study.Study`).
 
     ``spec`` is a path to a ``.py`` file, or the bare name of a bundled config
-    (``"quickstart"`` for ``experiments/configs/quickstart.py``).
+    (``"quickstart"`` for ``experiments/configs/quickstart.py``); see `config_path`.
+    An unknown field (``Config(foo=1)``) is the `ConfigError` of ``--set foo=1``.
     """
-    path = Path(spec)
-    if not path.is_file() and path.suffix == "" and path.parent == Path("."):
-        path = Path(__file__).parent / "configs" / f"{spec}.py"
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {spec}")
+    path = config_path(spec)
     # Registered in sys.modules so typing.get_type_hints can resolve a config subclass's
     # annotations.
     mod_name = f"_shoal_config_{path.stem}"
@@ -43,7 +69,44 @@ def load_file(spec: str | Path) -> Any:
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise ConfigError(f"{path} does not define get_config()")
-    return get_config()
+    try:
+        return get_config()
+    except TypeError as e:
+        error = _unknown_field(e, mod_name)
+        if error is None:  # the user's own code: its traceback is what helps
+            raise
+        raise ConfigError(f"{path}: {error}") from None
+
+
+# What a dataclass __init__ (also through dataclasses.replace) says of an unknown keyword.
+_UNEXPECTED = re.compile(r"([\w.<>]+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
+
+
+def _unknown_field(error: TypeError, module: str) -> str | None:
+    """The unknown-key message of ``--set`` for a `Config` (or subclass) constructed with
+    a keyword that is not one of its fields; None for any other TypeError."""
+    match = _UNEXPECTED.fullmatch(str(error))
+    if match is None:
+        return None
+    qualname, key = match.groups()
+    classes, seen = [Config], []
+    while classes:  # Config and every subclass of it defined so far
+        cls = classes.pop()
+        seen.append(cls)
+        classes += cls.__subclasses__()
+    found = [c for c in seen if c.__qualname__ == qualname]
+    if not found:
+        return None
+    # Two config files may both define a MyConfig: prefer the one just loaded.
+    cls = next((c for c in found if c.__module__ == module), found[-1])
+    return _unknown_key(cls, key, key)
+
+
+def _unknown_key(cls: type, name: str, key: str) -> str:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {key!r}{hint}; {cls.__name__} has: {', '.join(names)}"
 
 
 def load_config(spec: str | Path) -> Config:
@@ -66,24 +129,68 @@ def parse_assignment(item: str) -> tuple[str, str]:
     return key, text.strip()
 
 
-def apply_overrides(cfg: Any, assignments: Iterable[str | tuple[str, str]]) -> Any:
-    """Apply ``key=value`` strings (or `parse_assignment` pairs) in order; raises
-    `ConfigError` naming the bad key or value."""
-    for item in assignments:
-        key, text = item if isinstance(item, tuple) else parse_assignment(item)
-        cfg = _set(cfg, key.split("."), text, key)
-    return cfg
+def apply_overrides(cfg: Any, assignments: Iterable[str | tuple[str, str]], **fields: Any) -> Any:
+    """Apply ``key=value`` strings (or `parse_assignment` pairs) in order, then ``fields``
+    (typed values, such as the run's worker count), and check the result once: the
+    config's checks see every change together, so their order does not matter
+    (``inject_nonfinite=1:10 workers=16`` is ``workers=16 inject_nonfinite=1:10``).
+    Raises `ConfigError` naming the bad key or value."""
+    items = [item if isinstance(item, tuple) else parse_assignment(item) for item in assignments]
+    out = cfg
+    for key, text in items:
+        out = _set(out, key.split("."), text, key)
+    for name, value in fields.items():
+        if name not in {f.name for f in dataclasses.fields(out)}:
+            raise ConfigError(_unknown_key(type(out), name, name))
+        out = _unchecked_replace(out, name, value)
+    if out is cfg:
+        return cfg
+    try:
+        return _checked(out)
+    except ValueError as e:  # a config's own validation
+        raise ConfigError(f"{_blame(str(e), items, fields)}{e}") from None
+
+
+def _blame(message: str, items: list[tuple[str, str]], fields: dict[str, Any]) -> str:
+    """The prefix naming what led to ``message``: the assignments whose fields it names,
+    else the typed fields, else every assignment."""
+    last = dict(items)  # a key set twice: its last value is the one checked
+    named = [
+        f"{k}={t}" for k, t in last.items() if any(f"'{p}'" in message for p in (k, *k.split(".")))
+    ]
+    if named:
+        return f"--set {' '.join(named)}: "
+    if fields:
+        return f"with {', '.join(f'{k} = {v}' for k, v in fields.items())}: "
+    return f"--set {' '.join(f'{k}={t}' for k, t in last.items())}: " if last else ""
+
+
+def _unchecked_replace(obj: Any, name: str, value: Any) -> Any:
+    """``obj`` with ``name`` set, its checks not run yet (`_checked` runs them once every
+    change is in)."""
+    new = copy.copy(obj)
+    object.__setattr__(new, name, value)  # frozen dataclasses too
+    return new
+
+
+def _checked(obj: Any) -> Any:
+    """``obj`` built again through its __init__, nested dataclasses first, so that every
+    __post_init__ check runs on the final values."""
+    nested = {
+        f.name: _checked(getattr(obj, f.name))
+        for f in dataclasses.fields(obj)
+        if f.init
+        and dataclasses.is_dataclass(getattr(obj, f.name))
+        and not isinstance(getattr(obj, f.name), type)
+    }
+    return dataclasses.replace(obj, **nested)
 
 
 def _set(obj: Any, path: list[str], text: str, key: str) -> Any:
     names = [f.name for f in dataclasses.fields(obj)]
     name = path[0]
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"unknown config key {key!r}{hint}; {type(obj).__name__} has: {', '.join(names)}"
-        )
+        raise ConfigError(_unknown_key(type(obj), name, key))
     current = getattr(obj, name)
     if len(path) > 1:
         if not dataclasses.is_dataclass(current):
@@ -91,10 +198,7 @@ def _set(obj: Any, path: list[str], text: str, key: str) -> Any:
         value = _set(current, path[1:], text, key)
     else:
         value = parse_value(text, typing.get_type_hints(type(obj))[name], key)
-    try:
-        return dataclasses.replace(obj, **{name: value})
-    except ValueError as e:  # a config's own validation
-        raise ConfigError(f"--set {key}={text}: {e}") from None
+    return _unchecked_replace(obj, name, value)
 
 
 def parse_value(text: str, tp: Any, key: str = "value") -> Any:

@@ -167,6 +167,7 @@ def test_all_checkpoints_corrupt_is_an_error_naming_them(tmp_path, capsys):
     # An edited record, not sealed again: the JSON part's checksum catches it.
     meta = folder / "step_4" / "meta" / "meta.json"
     meta.write_text(meta.read_text().replace('"step\\": 1,', '"step\\": 7,', 1))
+    measured = (tmp_path / "metrics.jsonl").read_text()  # the stopped run's 6 steps
     capsys.readouterr()
     assert run(tmp_path, "--resume", algorithms=("ssgd",)) == 2
     err = capsys.readouterr().err
@@ -174,7 +175,7 @@ def test_all_checkpoints_corrupt_is_an_error_naming_them(tmp_path, capsys):
     assert f"corrupt checkpoint {folder / 'step_6' / 'arrays'}: orbax: " in err
     assert f"corrupt checkpoint {meta}: its checksum does not match" in err
     assert err.count("\n") == 1, err
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == measured  # the refusal wrote nothing
 
 
 def small_tree(step: int) -> tuple[dict, tuple]:

@@ -144,10 +144,14 @@ def test_cli_refuses_grad_chunk_with_mpi(monkeypatch, capsys, tmp_path):
     class Ranks(_Backend):
         is_root, is_server, servers = True, False, None
 
+        def agree(self, problem):  # every rank finds the same problem
+            return problem
+
     monkeypatch.setattr(
         "shoal.experiments.runner.cli.make_backend", lambda *a, **k: Ranks("mpi", 4)
     )
     monkeypatch.setattr("shoal.experiments.runner.cli.mpi_world_size", lambda: 4)
+    monkeypatch.setattr("shoal.experiments.runner.cli.world_agree", lambda problem: problem)
     argv = [str(QUICKSTART), "--backend", "mpi", "--set", "grad_chunk=2"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err

@@ -4,6 +4,7 @@ out as the simulation does."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -97,3 +98,39 @@ def test_jax_backend_layout(tmp_path):
     proc = launch([str(script)], timeout=120)
     done = sorted(p.name for p in tmp_path.glob("ok.*"))
     assert done == [f"ok.{r}" for r in range(WORKERS)], proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def coordinator_listens_on(*args: str) -> list[str]:
+    exe = mpiexec()
+    if exe is None:
+        pytest.skip("mpiexec not found")
+    job = os.path.join(os.path.dirname(__file__), "jobs", "coordinator_bind.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([exe, "-n", "2", sys.executable, job, *args], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (line,) = [w for w in proc.stdout.splitlines() if w.startswith("coordinator ")]
+    return line.split("listening ")[1].split(",")
+
+
+def test_the_coordinator_listens_on_loopback_only_by_default():
+    # Every process on one host: jax's default would listen on all interfaces ("::"),
+    # unauthenticated, for the whole run.
+    addresses = [ipaddress.ip_address(a) for a in coordinator_listens_on()]
+    assert addresses and all((a.ipv4_mapped or a).is_loopback for a in addresses), addresses
+    # What the user gives is what it binds (0.0.0.0: jax's own default, all interfaces).
+    assert coordinator_listens_on("0.0.0.0") in (["0.0.0.0"], ["::"])
+
+
+def test_the_coordinator_address_is_chosen_on_process_0():
+    from shoal.experiments.runner.jax_backend import _coordinator_on_root
+
+    address, bind = _coordinator_on_root(["a", "a"], None)
+    assert address == bind and bind.startswith("127.0.0.1:")
+    address, bind = _coordinator_on_root(["a", "a"], "0.0.0.0")
+    assert bind.startswith("0.0.0.0:") and address.startswith("127.0.0.1:")
+    # Processes on other hosts cannot reach process 0's loopback address.
+    with pytest.raises(ValueError, match="--coordinator-bind-address"):
+        _coordinator_on_root(["localhost", "elsewhere"], None)
+    with pytest.raises(ValueError, match="cannot listen there"):
+        _coordinator_on_root(["a", "a"], "192.0.2.1")  # TEST-NET-1: not this host's

@@ -1,7 +1,14 @@
 """What a run writes (`write_run`): per-step metrics (``metrics.jsonl``, ``metrics.csv``,
 ``timing.jsonl``), plots, ``summary.md`` and ``report.md``, and TensorBoard events."""
 
-from shoal.experiments.reports.files import write_csv, write_jsonl, write_run, write_tensorboard
+from shoal.experiments.reports.files import (
+    MetricsLog,
+    json_line,
+    write_csv,
+    write_jsonl,
+    write_run,
+    write_tensorboard,
+)
 from shoal.experiments.reports.markdown import (
     COLUMNS,
     guide,
@@ -20,9 +27,11 @@ from shoal.experiments.reports.plots import (
 
 __all__ = [
     "COLUMNS",
+    "MetricsLog",
     "PLOTS",
     "SAMPLES_PLOT",
     "guide",
+    "json_line",
     "plot_accuracy",
     "plot_loss",
     "plot_test_vs_samples",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,73 @@ from shoal.experiments.reports.plots import (
 )
 
 
+def _strict(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of strict JSON: a non-finite float (a NaN loss, an infinite
+    noise scale) is ``null``, since ``NaN`` and ``Infinity`` are not JSON and strict
+    parsers (``jq``, ``JSON.parse``, pandas' ``ujson``) reject the line."""
+    return json.dumps(_strict(record), allow_nan=False) + "\n"
+
+
 def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
     with open(path, "w") as f:
         for r in records:
-            f.write(json.dumps(r) + "\n")
+            f.write(json_line(r))
+
+
+def metrics_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A step's record as ``metrics.jsonl`` holds it: without its wall-clock time, so that
+    two runs of one config and seed write the same file byte for byte (``timing.jsonl``
+    has the times)."""
+    return {k: v for k, v in record.items() if k != "time_s"}
+
+
+class MetricsLog:
+    """``metrics.jsonl`` written as the run goes, one flushed line per record, so that an
+    interrupted run keeps what it measured; `write_run` writes the same lines at the end.
+    The file is replaced at the first record, not before: a run that fails before
+    training (a refused ``--resume``) leaves the earlier one's file as it was.
+
+    Example:
+      >>> import tempfile, pathlib
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
+      >>> with MetricsLog(path) as log:
+      ...     log.add({"step": 1, "loss": float("nan"), "time_s": 0.1})
+      >>> path.read_text()
+      '{"step": 1, "loss": null}\\n'
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.file = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            self.file = open(self.path, "w")
+        self.file.write(json_line(metrics_record(record)))
+        self.file.flush()
+
+    def close(self) -> None:
+        try:
+            if self.file is not None:
+                self.file.close()
+        except OSError:
+            pass  # a line `add` could not write, and raised for: nothing more to say
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
@@ -106,7 +170,7 @@ def write_run(
     # Wall-clock times go to their own file, so that metrics.jsonl of two runs of one
     # config and seed are byte for byte the same (RELIABILITY.md, determinism).
     timing = [{k: r[k] for k in ("algorithm", "step", "time_s") if k in r} for r in records]
-    records = [{k: v for k, v in r.items() if k != "time_s"} for r in records]
+    records = [metrics_record(r) for r in records]
     write_jsonl(paths[0], records)
     write_csv(paths[1], records)
     plot_loss(paths[2], records, "step", "step")

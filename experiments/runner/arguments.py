@@ -1,7 +1,6 @@
 """The command line of ``shoal-run``: its parser, the bundled configs its CONFIG argument
 may name, and the checks of its arguments before anything trains (the worker count
-against the launch, the output folder, devices per worker, a launcher for
-``--backend mpi|jax``).
+against the launch, devices per worker, a launcher for ``--backend mpi|jax``).
 
 `shoal.experiments.runner.cli` runs what they ask for.
 """
@@ -85,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a parameter server that hears nothing from the workers this long aborts the job",
     )
     p.add_argument(
+        "--coordinator-bind-address",
+        metavar="HOST",
+        help="with --backend jax: the address the jax.distributed coordinator (on process "
+        "0) listens on; default: the address process 0's host name resolves to (the "
+        "loopback address when every process is on one host), never all interfaces",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         help="output folder (default: runs/<config name>); one that is not empty needs "
@@ -136,28 +142,24 @@ def resolve_workers(
 
 
 def load_argument(spec: str):
-    """`load_file`, whose "not found" error also lists the bundled configs."""
+    """`load_file` of the CONFIG argument: a path when it ends in ``.py`` or holds a path
+    separator, else a bundled config's name; the error for an unknown name lists the
+    bundled configs."""
+    from shoal.experiments.overrides import is_path
+
+    if is_path(spec):
+        return load_file(spec)
     names = bundled_configs()
-    if not Path(spec).is_file() and spec not in names:
+    if spec not in names:
+        # A file of that name here is never loaded in its place (the meaning of a name must
+        # not depend on the current folder): say why it was not taken.
+        here = Path(spec).is_file()
+        why = f"; {spec} here is a file, but config files end in .py" if here else ""
         raise ConfigError(
-            f"config file not found: {spec} (give a path, or a bundled config: {', '.join(names)})"
+            f"config file not found: {spec} (give a path, or a bundled config: "
+            f"{', '.join(names)}){why}"
         )
     return load_file(spec)
-
-
-def output_problem(out: Path, resume: bool, overwrite: bool, can_resume: bool = True) -> str | None:
-    """Why the run must not write into ``out`` (None: it may): a folder that is not empty
-    holds an earlier run's results, which only ``--resume`` (continue them) or
-    ``--overwrite`` (replace them) may touch."""
-    if out.exists() and not out.is_dir():
-        return f"output folder {out} is a file, not a folder: choose another --out"
-    if overwrite or (resume and can_resume) or not out.is_dir() or not any(out.iterdir()):
-        return None
-    how = "--resume to continue that run, " if can_resume else ""
-    return (
-        f"output folder {out} is not empty (it may hold an earlier run's results): pass "
-        f"--overwrite to replace them, {how}or --out to write elsewhere"
-    )
 
 
 def check_devices_per_worker(cfg: Config, k: int) -> None:

@@ -14,6 +14,8 @@ All backends expose the same small interface to the training loop:
 * ``servers``: the dedicated `shoal.comms.ParameterServers` of an MPI run, else None;
 * ``gather`` / ``mean_params``: host-side metrics for the root process (rank 0);
 * ``share``: a host value of the root on every process (e.g. a policy's decision);
+* ``agree``: one decision for every process from each one's own problem (None: none),
+  the rule for every check that can refuse a run (`decide`);
 * ``device_loss`` / ``by_worker`` / ``whole_params``: what changes when a worker spans
   several devices (``devices_per_worker`` K > 1, `JaxBackend` only; the identity
   otherwise): the loss one device computes, its metrics combined per worker, and its
@@ -30,6 +32,8 @@ This module holds that interface (`Backend`), the simulated and MPI backends and
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Protocol
 
 import jax
@@ -63,10 +67,37 @@ class Backend(Protocol):
     def gather(self, tree: Any) -> Any: ...
     def share(self, obj: Any) -> Any: ...
     def gather_all(self, obj: Any) -> list[Any]: ...
+    def agree(self, problem: str | None) -> str | None: ...
     def mean_params(self, params: Any) -> Any: ...
     def device_loss(self, loss_fn): ...
     def by_worker(self, rows: tuple, ops: tuple[str, ...]) -> tuple: ...
     def whole_params(self, params: Any) -> Any: ...
+
+
+def decide(problems: list[str | None]) -> str | None:
+    """The one decision of every process from each process's problem (None: none), in
+    process order: the first problem, naming its process when it is not the root's."""
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            return problem if rank == 0 else f"process {rank}: {problem}"
+    return None
+
+
+def world_rank() -> int:
+    """This process's rank in ``MPI.COMM_WORLD`` (0 without MPI)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return 0
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def world_agree(problem: str | None) -> str | None:
+    """`decide` over every process of ``MPI.COMM_WORLD`` (parameter servers included),
+    before any backend exists: the checks of the command line."""
+    from mpi4py import MPI
+
+    return decide(MPI.COMM_WORLD.allgather(problem))
 
 
 class _WholeWorkers:
@@ -151,6 +182,10 @@ class SimBackend(_WholeWorkers):
         """Every process's host value ``obj``, in process order (one process here)."""
         return [obj]
 
+    def agree(self, problem: str | None) -> str | None:
+        """`decide` over every process's ``problem``: this one's here."""
+        return problem
+
     def mean_params(self, params: Any) -> Any:
         # Sum then divide, in float32, as the MPI backend does.
         return jax.tree.map(lambda a: np.asarray(a).sum(0) / np.float32(self.size), params)
@@ -168,6 +203,12 @@ class HostComm:
         """Every process's host value ``obj``, in process order (a pickled all-gather)."""
         return self.comm.allgather(obj)
 
+    def agree(self, problem: str | None) -> str | None:
+        """`decide` over every process's ``problem``: every process returns the same, so
+        a check that fails on one process only stops them all, and none waits for the
+        others in a collective they never reach."""
+        return decide(self.gather_all(problem))
+
     def _mean_at_root(self, local_sum: Any) -> Any:
         """The mean over all workers at the root (None elsewhere): this process's sum of
         its workers' values, summed across processes in float32 with one ``Reduce``, then
@@ -183,7 +224,10 @@ class HostComm:
     def abort(self, code: int = 1) -> None:
         """Stop every process: one process's exception must not leave the others in a
         collective."""
+        sys.stdout.flush()
+        sys.stderr.flush()
         self._MPI.COMM_WORLD.Abort(code)
+        os._exit(code)  # MPICH's Abort may return once the launcher has the request
 
 
 class MPIBackend(HostComm, _WholeWorkers):
@@ -255,11 +299,16 @@ class MPIBackend(HostComm, _WholeWorkers):
 
 
 def make_backend(
-    name: str, workers: int | None = None, servers: int = 0, devices_per_worker: int = 1
+    name: str,
+    workers: int | None = None,
+    servers: int = 0,
+    devices_per_worker: int = 1,
+    bind_address: str | None = None,
 ):
     """``"sim"`` with ``workers`` workers, ``"mpi"`` (one worker per rank, the last
     ``servers`` ranks dedicated parameter servers), or ``"jax"`` (one worker per
-    ``devices_per_worker`` devices of a ``jax.distributed`` job)."""
+    ``devices_per_worker`` devices of a ``jax.distributed`` job whose coordinator listens
+    on ``bind_address``, see `shoal.experiments.runner.jax_backend.coordinator`)."""
     if devices_per_worker != 1 and name != "jax":
         raise ValueError(f"--devices-per-worker needs --backend jax, not {name!r}")
     if name == "sim":
@@ -270,5 +319,5 @@ def make_backend(
         # Imported here: that module builds on this one (`AXIS`, `HostComm`).
         from shoal.experiments.runner.jax_backend import JaxBackend
 
-        return JaxBackend(devices_per_worker)
+        return JaxBackend(devices_per_worker, bind_address=bind_address)
     raise ValueError(f"backend must be 'sim', 'mpi' or 'jax', got {name!r}")

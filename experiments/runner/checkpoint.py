@@ -44,6 +44,7 @@ from shoal.experiments.runner.checkpoint_files import (
     read_meta,
     save_args,
     uncommit,
+    writing,
 )
 
 # Fields that may change between a run and its resumption without changing the training
@@ -62,9 +63,21 @@ def fingerprint(fields: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# The longest file name most file systems take (ext4, xfs, btrfs, tmpfs: 255 bytes).
+NAME_MAX = 255
+
+
 def folder_name(algorithm: str) -> str:
-    """A file-system safe folder name for an algorithm entry (entries may carry overrides)."""
-    return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", algorithm)
+    """A file-system safe folder name for an algorithm entry (entries may carry overrides);
+    `ValueError` for one too long to be a file name (`check_label` says it in advance)."""
+    name = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", algorithm)
+    if len(name) > NAME_MAX:
+        raise ValueError(
+            f"algorithm entry {algorithm[:40]}... is {len(name)} characters, more than a "
+            f"file name holds ({NAME_MAX}): it names its checkpoint and log folders; set "
+            "its fields in the config file instead of in brackets"
+        )
+    return name
 
 
 def _is_key(leaf: Any) -> bool:
@@ -135,6 +148,12 @@ class Checkpointer:
         if self._orbax is None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._orbax = open_manager(self.dir)
+            # A step without its marker is a save cut short (after orbax's rename, before
+            # `commit`): never resumed, and it must not count among the KEEP latest, where
+            # a stray one past the run's steps would push a good checkpoint out.
+            for step in self._orbax.all_steps():
+                if not (self.path(step) / COMMITTED).is_file():
+                    self._orbax.delete(step)
         return self._orbax
 
     def path(self, step: int) -> Path:
@@ -163,23 +182,23 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write ``state`` (see `pack`) as step ``step``; keep the latest `KEEP` ones.
-        Returns when the checkpoint is complete on disk."""
-        manager = self._manager()
-        if step in manager.all_steps():
-            self._delete(step)  # orbax never overwrites: a step saved again replaces it
-        # The steps this save pushes out of the latest KEEP, which orbax deletes in `save`.
-        for old in sorted({*manager.all_steps(), step})[:-KEEP]:
-            uncommit(self.path(old))
-        manager.save(step, args=save_args(state, {**self.meta, "step": step}), force=True)
-        commit(self.path(step))
+        Returns when the checkpoint is complete on disk; `CheckpointWriteError` if it
+        cannot be written."""
+        with writing(self.path(step)):
+            manager = self._manager()
+            if step in manager.all_steps():
+                self._delete(step)  # orbax never overwrites: a step saved again replaces it
+            # The steps this save pushes out of the latest KEEP, which orbax deletes in `save`.
+            for old in sorted({*manager.all_steps(), step})[:-KEEP]:
+                uncommit(self.path(old))
+            manager.save(step, args=save_args(state, {**self.meta, "step": step}), force=True)
+            commit(self.path(step))
         return self.path(step)
 
     def check_compatible(self, step: int) -> None:
-        """Refuse a checkpoint of a different run (workers, backend layout or config)."""
-        try:
-            saved = read_meta(self.path(step))
-        except CheckpointError:
-            return  # reported as corrupt by `read`
+        """Refuse a checkpoint of a different run (workers, backend layout or config); the
+        step must be readable (`read`)."""
+        saved = read_meta(self.path(step))
         name = self.path(step)
         if saved.get("algorithm") != self.meta["algorithm"]:
             raise CheckpointError(f"{name} is of algorithm {saved.get('algorithm')!r}")
@@ -191,10 +210,11 @@ class Checkpointer:
                 f"--devices-per-worker {k_saved})"
             )
         if saved.get("workers") != self.meta["workers"]:
+            n = saved.get("workers")
+            how = f"mpiexec -n {n}" if self.meta["backend"] == "mpi" else f"--workers {n}"
             raise CheckpointError(
                 f"cannot resume {self.meta['algorithm']} with {self.meta['workers']} workers: "
-                f"its checkpoint {name} has {saved.get('workers')} (resume with "
-                f"--workers {saved.get('workers')})"
+                f"its checkpoint {name} has {n} (resume with {how})"
             )
         if saved.get("backend") != self.meta["backend"]:
             raise CheckpointError(
@@ -215,10 +235,13 @@ class Checkpointer:
     def load(self) -> dict[str, Any] | None:
         """The newest checkpoint that is good on every process, or None if there is none
         at all. A bad one is reported on stderr and the previous one used; if checkpoints
-        exist but none is good everywhere, raises `CheckpointError` naming the files."""
+        exist but none is good everywhere, raises `CheckpointError` naming the files.
+
+        Every process decides together (one ``gather_all``): a refusal on any process (a
+        checkpoint of another run, read from the steps that can be resumed, so an
+        unreadable newest one does not hide it) is raised on every process, so none is
+        left waiting for the others."""
         steps = self.steps()
-        if steps:
-            self.check_compatible(steps[0])
         good, states, problems = [], {}, []
         for step in steps:
             try:
@@ -226,11 +249,21 @@ class Checkpointer:
                 good.append(step)
             except CheckpointError as e:
                 problems.append(str(e))
-        everyone = self.backend.gather_all((bool(steps), good, problems))
-        if not any(found for found, _, _ in everyone):
+        refusal = None
+        for step in good:
+            try:
+                self.check_compatible(step)
+            except CheckpointError as e:
+                refusal = str(e)
+                break
+        everyone = self.backend.gather_all((bool(steps), good, problems, refusal))
+        refusals = [r for *_, r in everyone if r is not None]
+        if refusals:
+            raise CheckpointError(refusals[0])
+        if not any(found for found, *_ in everyone):
             return None
-        common = set.intersection(*(set(g) for _, g, _ in everyone))
-        all_problems = [p for _, _, ps in everyone for p in ps]
+        common = set.intersection(*(set(g) for _, g, *_ in everyone))
+        all_problems = [p for _, _, ps, _ in everyone for p in ps]
         if not common:
             raise CheckpointError(
                 "no good checkpoint to resume from: " + "; ".join(all_problems or ["none saved"])
@@ -239,7 +272,7 @@ class Checkpointer:
         if self.rank == 0:
             for p in all_problems:
                 print(f"shoal-run: warning: {p}", file=sys.stderr)
-            if step != max(max(g, default=-1) for _, g, _ in everyone) or all_problems:
+            if step != max(max(g, default=-1) for _, g, *_ in everyone) or all_problems:
                 print(
                     f"shoal-run: resuming {self.meta['algorithm']} from the previous good "
                     f"checkpoint, step {step}",

@@ -24,10 +24,12 @@ step on disk) and orbax's INFO logging is muted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,11 @@ COMMITTED = "COMMITTED"  # in a step folder: the step is complete (see `commit`)
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: corrupt, or from an incompatible run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint this process could not write (a full disk, a read-only folder): its
+    own failure, which the other processes do not share."""
 
 
 def _sha256(a: np.ndarray) -> str:
@@ -90,7 +97,12 @@ class _OwnArraysHandler(ocp.type_handlers.NumpyHandler):
                 metadata_key=self._metadata_key,
             )
             writes.append(self._open_and_write(value, spec.json, info.ts_context))
-        await asyncio.gather(*writes)
+        # Every write waited for before the first failure is raised (a full disk): orbax
+        # then closes its event loop, on which writes still in flight would end and print
+        # their tracebacks.
+        for result in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
 
     async def deserialize(self, infos, args=None):
         # orbax stops at the first failed read of a corrupt checkpoint and closes its event
@@ -107,12 +119,40 @@ class _OwnArraysHandler(ocp.type_handlers.NumpyHandler):
         return [result[0] for result in done]
 
 
+_SAVING = [0]  # saves in progress (`writing`)
+
+
 def _orbax_info(record: logging.LogRecord) -> bool:
-    """Drop orbax's INFO records (several lines per save and restore)."""
-    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+    """Drop orbax's INFO records (several lines per save and restore), and all of its
+    records during a save: a failed write is logged, with its traceback, by each of
+    orbax's threads (32 tracebacks for one full disk); `writing` reports it once."""
+    if "/orbax/" not in record.pathname:
+        return True
+    return record.levelno >= logging.WARNING and not _SAVING[0]
 
 
 logging.getLogger("absl").addFilter(_orbax_info)
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Around a save of ``path``: a write that fails (a full disk, a read-only folder, a
+    file size limit) is raised as one `CheckpointWriteError` naming the folder and the
+    cause, and orbax's own logs of it are muted."""
+    _SAVING[0] += 1
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
+    except (ValueError, RuntimeError) as e:
+        # tensorstore's errors name the failed system call's errno in their text.
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        if code is None or isinstance(e, CheckpointError):
+            raise
+        why = os.strerror(int(code.group(1)))
+        raise CheckpointWriteError(f"cannot write checkpoint {path}: {why}") from None
+    finally:
+        _SAVING[0] -= 1
 
 
 def _only_me() -> ocp.options.MultiprocessingOptions:

@@ -19,8 +19,10 @@ parser and the checks of its arguments) is `shoal.experiments.runner.arguments`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import shlex
 import sys
 import traceback
@@ -31,7 +33,8 @@ import jax
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import apply_overrides, parse_assignment
-from shoal.experiments.reports import PLOTS, summary_table, write_run
+from shoal.experiments.reports import PLOTS, MetricsLog, summary_table, write_run
+from shoal.experiments.runner import memory
 from shoal.experiments.runner.analysis import Analysis, run_analysis
 from shoal.experiments.runner.arguments import (
     build_parser,
@@ -39,12 +42,18 @@ from shoal.experiments.runner.arguments import (
     launcher_missing,
     load_argument,
     mpi_world_size,
-    output_problem,
     resolve_workers,
 )
-from shoal.experiments.runner.backends import make_backend
-from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError
+from shoal.experiments.runner.backends import make_backend, world_agree, world_rank
+from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError, folder_name
+from shoal.experiments.runner.checkpoint_files import CheckpointWriteError
 from shoal.experiments.runner.malloc import reexec_with_tunables, restart_simulated
+from shoal.experiments.runner.output import (
+    OutputLock,
+    cannot_write,
+    output_problem,
+    writable_problem,
+)
 from shoal.experiments.runner.study import Study, run_study
 from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
@@ -59,20 +68,24 @@ def _setup(args, backend, loaded):
             "shoal.experiments.runner.study.Study or a shoal.experiments.runner.analysis.Analysis,"
             f" got {type(loaded).__name__}"
         )
+    from shoal.experiments.overrides import parse_value
+
     sets = [parse_assignment(o) for o in args.overrides]
-    cfg = apply_overrides(loaded, sets)
     explicit = args.workers
-    if explicit is None and "workers" in dict(sets):
-        explicit = cfg.workers
     if explicit is not None and explicit < 1:
         raise ConfigError(f"--workers must be >= 1, got {explicit}")
+    configured = loaded.workers
+    if "workers" in dict(sets):  # --set workers=N asks for N workers, as --workers N does
+        configured = parse_value(dict(sets)["workers"], int, "workers")
+        explicit = configured if explicit is None else explicit
     world = backend.size if backend is not None else 1
     k = args.devices_per_worker
-    workers = resolve_workers(args.backend, cfg.workers, explicit, world, k)
-    try:
-        cfg = dataclasses.replace(cfg, workers=workers)
-    except ValueError as e:
-        raise ConfigError(f"with {workers} workers: {e}") from None
+    # The run's worker count first, then --set and that count checked together: a check
+    # that involves the workers (inject_nonfinite's WORKER) sees the run's count, whatever
+    # the order of --workers and --set. Passed apart only when it is not what --set or the
+    # config says, so that an error names --workers or the launch ("with workers = N").
+    workers = resolve_workers(args.backend, configured, explicit, world, k)
+    cfg = apply_overrides(loaded, sets, **({"workers": workers} if workers != configured else {}))
     entries = algorithms.resolve_all(cfg)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
     if k > 1:
@@ -106,11 +119,14 @@ def _main_study(args, study: Study, resolved: list, command: str) -> int:
     print(f"{cfg.name}: study of {len(resolved)} runs, workers "
           f"{', '.join(map(str, workers))} (sim)")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
-    problem = output_problem(out, False, args.overwrite, can_resume=False)
-    if problem:
-        print(f"shoal-run: error: {problem}", file=sys.stderr)
-        return 2
-    run_study(study, out, command=command, progress=not args.no_progress, resolved=resolved)
+    with _claimed(out, args.overwrite, can_resume=False) as problem:
+        if problem:
+            return _error(problem, 2)
+        try:
+            run_study(study, out, command=command, progress=not args.no_progress,
+                      resolved=resolved)  # fmt: skip
+        except OSError as e:
+            return _write_error(out, e)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/ (summary.md, results.jsonl, metrics.jsonl)")
     return 0
@@ -137,13 +153,44 @@ def _serve(backend, timeout: float) -> int:
 
 def _main_analysis(args, analysis: Analysis) -> int:
     out = args.out or Path("runs") / analysis.name
-    problem = output_problem(out, False, args.overwrite, can_resume=False)
-    if problem:
-        print(f"shoal-run: error: {problem}", file=sys.stderr)
-        return 2
-    print(run_analysis(analysis, out))
+    with _claimed(out, args.overwrite, can_resume=False) as problem:
+        if problem:
+            return _error(problem, 2)
+        try:
+            print(run_analysis(analysis, out))
+        except OSError as e:
+            return _write_error(out, e)
     print(f"wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))})")
     return 0
+
+
+def _error(message: str, code: int) -> int:
+    print(f"shoal-run: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _write_error(out: Path, e: OSError) -> int:
+    """A write into ``out`` failed (disk full, read-only, a file size limit): one line, no
+    traceback; exit 2. Re-raises what is not a write into ``out``."""
+    name = Path(e.filename).resolve() if e.filename else None
+    if name is not None and out.resolve() not in (name, *name.parents):
+        raise e
+    return _error(cannot_write(out, e), 2)
+
+
+@contextlib.contextmanager
+def _claimed(out: Path, overwrite: bool, resume: bool = False, can_resume: bool = True):
+    """Claim the output folder ``out`` for this process (it writes the results): yields
+    why it may not (`output_problem`, `OutputLock`), or None with the lock held until
+    the block ends."""
+    lock = OutputLock(out)
+    problem = output_problem(out, resume, overwrite, can_resume=can_resume)
+    if problem is None:  # a second run that saw the folder empty too is refused here
+        problem = lock.acquire()
+    try:
+        yield problem
+    finally:
+        lock.release()
 
 
 class _QuietNonFinite(logging.Filter):
@@ -157,58 +204,76 @@ class _QuietNonFinite(logging.Filter):
 _QUIET = _QuietNonFinite()  # one instance: addFilter ignores a filter it already has
 
 
+def _argument_problem(args) -> str | None:
+    """What is wrong with the command line alone (None: nothing)."""
+    if args.servers < 0 or (args.servers and args.backend != "mpi"):
+        return "--servers S >= 1 needs --backend mpi"
+    if not (math.isfinite(args.server_timeout) and args.server_timeout > 0):
+        return f"--server-timeout must be a number of seconds > 0, got {args.server_timeout}"
+    if args.stop_after is not None and args.stop_after < 1:
+        return "--stop-after must be >= 1"
+    if args.resume and args.overwrite:
+        return ("--resume continues the run in the output folder, --overwrite replaces it: "
+                "pass one of them")  # fmt: skip
+    k = args.devices_per_worker
+    if k < 1 or (k > 1 and args.backend != "jax"):
+        why = "must be >= 1" if k < 1 else f"needs --backend jax, not --backend {args.backend}"
+        return f"--devices-per-worker {k} {why}"
+    if args.coordinator_bind_address is not None and args.backend != "jax":
+        return f"--coordinator-bind-address needs --backend jax, not --backend {args.backend}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a command, not a call from Python: restart with the heap kept?
         reexec_with_tunables(default="keep")
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
-    if args.servers < 0 or (args.servers and args.backend != "mpi"):
-        print("shoal-run: error: --servers S >= 1 needs --backend mpi", file=sys.stderr)
-        return 2
-    if args.stop_after is not None and args.stop_after < 1:
-        print("shoal-run: error: --stop-after must be >= 1", file=sys.stderr)
-        return 2
-    if args.resume and args.overwrite:
-        print("shoal-run: error: --resume continues the run in the output folder, "
-              "--overwrite replaces it: pass one of them", file=sys.stderr)  # fmt: skip
-        return 2
-    k = args.devices_per_worker
-    if k < 1 or (k > 1 and args.backend != "jax"):
-        why = "must be >= 1" if k < 1 else f"needs --backend jax, not --backend {args.backend}"
-        print(f"shoal-run: error: --devices-per-worker {k} {why}", file=sys.stderr)
-        return 2
+    args.reexec = argv is None  # may restart itself (`restart_simulated`)
+    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
+    problem = _argument_problem(args)
+    # Under mpiexec (--backend mpi or jax) every process decides together, servers
+    # included: one that stops alone would leave the others waiting for it.
+    world = mpi_world_size() if args.backend != "sim" else 1
+    if world > 1:
+        problem = world_agree(problem)
+    if problem is None and args.backend == "mpi" and world == 1:
+        problem = launcher_missing("mpi", "a single MPI process", command)
+    if problem is not None:
+        return _error(problem, 2) if world_rank() == 0 else 2
     # MPI (or jax.distributed) must exist before the config is resolved: its world size is
     # the worker count.
     backend = None
-    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
-    if args.backend == "mpi" and mpi_world_size() == 1:
-        why = launcher_missing("mpi", "a single MPI process", command)
-        print(f"shoal-run: error: {why}", file=sys.stderr)
-        return 2
     if args.backend != "sim":
         try:
             backend = make_backend(args.backend, servers=args.servers,
-                                   devices_per_worker=args.devices_per_worker)  # fmt: skip
-        except ValueError as e:  # K does not divide the devices: every process finds it
-            if args.backend == "jax" and jax.process_index() == 0:
-                print(f"shoal-run: error: {e}", file=sys.stderr)
-            return 2
+                                   devices_per_worker=args.devices_per_worker,
+                                   bind_address=args.coordinator_bind_address)  # fmt: skip
+        except ValueError as e:  # from the world's layout alone: every process finds it
+            return _error(str(e), 2) if world_rank() == 0 else 2
     if args.backend == "jax" and jax.process_count() == 1 and len(backend.devices) == 1:
         why = launcher_missing("jax", "one process with one device", command)
-        print(f"shoal-run: error: {why}", file=sys.stderr)
-        return 2
+        return _error(why, 2)
     if backend is not None and backend.is_server:
         return _serve(backend, args.server_timeout)
     try:
-        return _main(args, argv, backend)
+        return _main(args, command, backend)
+    except BaseException:
+        # Any other exception, on any process, ends every process: the others may be
+        # waiting for this one in a collective.
+        if world > 1:
+            traceback.print_exc()
+            sys.stderr.flush()
+            backend.abort(1)
+        raise
     finally:
         if backend is not None and backend.servers is not None:
             backend.servers.shutdown()  # let the servers' loops end, whatever happened here
 
 
-def _main(args, argv, backend) -> int:
+def _main(args, command: str, backend) -> int:
     is_root = backend is None or backend.is_root
-    command = shlex.join(["shoal-run", *(sys.argv[1:] if argv is None else argv)])
+    problem = None
     try:
         loaded = load_argument(args.config)
         if args.resume and not isinstance(loaded, Config):
@@ -224,10 +289,17 @@ def _main(args, argv, backend) -> int:
                 )
         else:
             cfg, entries = _setup(args, backend, loaded)
+            for e in entries:  # labels name folders: refused now, not at the first save
+                try:
+                    folder_name(e.label)
+                except ValueError as err:
+                    raise ConfigError(str(err)) from None
     except ConfigError as e:
-        if is_root:  # every rank finds the same error; say it once
-            print(f"shoal-run: error: {e}", file=sys.stderr)
-        return 2
+        problem = str(e)
+    if backend is not None:  # a config file missing on one node: every rank stops
+        problem = backend.agree(problem)
+    if problem is not None:
+        return _error(problem, 2) if is_root else 2
     if isinstance(loaded, Study):
         return _main_study(args, study, resolved, command)
     if isinstance(loaded, Analysis):
@@ -244,9 +316,22 @@ def _main(args, argv, backend) -> int:
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}{each}), {cfg.steps} steps, "
               f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
-    # Only the root writes the outputs: its view of the folder decides for every process.
-    problem = output_problem(out, args.resume, args.overwrite) if is_root else None
-    problem = backend.share(problem)
+    # Only the root writes the outputs: it claims the folder, and its view decides for
+    # every process.
+    claim = _claimed(out, args.overwrite, args.resume) if is_root else contextlib.nullcontext()
+    with claim as problem:
+        return _run_config(args, cfg, entries, backend, out, command, backend.agree(problem))
+
+
+def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -> int:
+    """Train ``cfg``'s entries into the claimed folder ``out`` and write the results;
+    ``problem``: why the folder may not be used (every process's decision)."""
+    is_root = backend.is_root
+    multi = args.backend != "sim" and mpi_world_size() > 1
+    # Checkpoints only when asked for: periodically, or to stop and resume.
+    checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
+    if problem is None and checkpointing:  # every process saves its own
+        problem = backend.agree(writable_problem(out / "checkpoints"))
     if problem is None and args.resume:
         found = any(Checkpointer(out / "checkpoints", e.label, cfg, backend).steps()
                     for e in entries)  # fmt: skip
@@ -257,25 +342,26 @@ def _main(args, argv, backend) -> int:
                 f"--stop-after or --set checkpoint_every=N); drop --resume to start afresh"
             )
     if problem is not None:
-        if is_root:
-            print(f"shoal-run: error: {problem}", file=sys.stderr)
-        return 2
+        return _error(problem, 2) if is_root else 2
     if args.overwrite:  # the replaced run's checkpoints must not be resumed later
         for e in entries:
             Checkpointer(out / "checkpoints", e.label, cfg, backend).remove()
-    # Checkpoints only when asked for: periodically, or to stop and resume.
-    checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
+    log = None
+    count = None  # parameters x workers of this process, once the model is built
     try:
+        log = MetricsLog(out / "metrics.jsonl") if is_root else None
         task = make_task(cfg)
-        if args.backend == "sim" and argv is None:  # too large to keep the heap? (malloc)
-            restart_simulated(num_parameters(task.init_params()) * cfg.workers, "shoal-run")
+        count = num_parameters(task.init_params()) * len(backend.local_ranks)
+        if args.backend == "sim" and args.reexec:  # too large to keep the heap? (malloc)
+            restart_simulated(count, "shoal-run")
         results = []
         budget = args.stop_after
         for entry in entries:
             name = entry.label
             ckpt = Checkpointer(out / "checkpoints", name, cfg, backend) if checkpointing else None
             result = train(cfg, task, backend, entry, progress=not args.no_progress,
-                           checkpoints=ckpt, resume=args.resume, max_steps=budget)  # fmt: skip
+                           checkpoints=ckpt, resume=args.resume, max_steps=budget,
+                           on_record=log.add if log is not None else None)  # fmt: skip
             results.append(result)
             if budget is not None:
                 budget -= result.trained
@@ -284,34 +370,45 @@ def _main(args, argv, backend) -> int:
                     print(f"stopped {name} at step {result.step} of {cfg.steps}; "
                           f"continue with --resume")  # fmt: skip
                 return 0
-    except CheckpointError as e:
-        if is_root:
-            print(f"shoal-run: error: {e}", file=sys.stderr)
+    except CheckpointWriteError as e:  # this process's own: the others are training on
+        _error(str(e), 2)
+        if multi:
+            backend.abort(2)
         return 2
+    except CheckpointError as e:  # refused by every process together (`Checkpointer.load`)
+        return _error(str(e), 2) if is_root else 2
     except NonFiniteGradientError as e:
         # nonfinite="raise": every rank stops at the same step, so nobody is left waiting.
-        if is_root:
-            print(f"shoal-run: error: {name}: {e}", file=sys.stderr)
-        return 3
-    except BaseException:
-        if args.backend != "sim" and backend.size > 1:
-            traceback.print_exc()
-            sys.stderr.flush()
+        return _error(f"{name}: {e}", 3) if is_root else 3
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:  # out of memory: one line
+        why = memory.oom_message(e, count, len(backend.local_ranks))
+        if why is None:
+            raise
+        _error(why, 1)
+        if multi:
             backend.abort(1)
-        raise
+        return 1
+    except OSError as e:  # the metrics log: the root's alone
+        code = _write_error(out, e)
+        if multi:
+            backend.abort(code)
+        return code
+    finally:
+        if log is not None:
+            log.close()
+    failed = None
+    if is_root:
+        summaries = [r.summary for r in results]
+        try:
+            records = [rec for r in results for rec in r.records]
+            write_run(out, cfg, records, summaries, entries=entries, backend=args.backend,
+                      command=command, task=task)  # fmt: skip
+        except OSError as e:
+            failed = _write_error(out, e)
+    if backend.agree("not written" if failed else None) is not None:  # all exit as the root
+        return 2
     if not is_root:
         return 0
-    summaries = [r.summary for r in results]
-    write_run(
-        out,
-        cfg,
-        [rec for r in results for rec in r.records],
-        summaries,
-        entries=entries,
-        backend=args.backend,
-        command=command,
-        task=task,
-    )
     print(summary_table(summaries))
     files = ["report.md", "summary.md", "metrics.jsonl", "metrics.csv", *PLOTS, "timing.jsonl"]
     print(f"wrote {out}/ ({', '.join(files)})")

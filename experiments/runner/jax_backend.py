@@ -6,7 +6,9 @@ are `shoal.experiments.runner.backends`'.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 from typing import Any
 
 import jax
@@ -20,6 +22,73 @@ from shoal.comms import AxisCollective
 from shoal.experiments.runner.backends import AXIS, HostComm
 
 FSDP = "fsdp"  # the mesh axis over one worker's devices (devices_per_worker > 1)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _coordinator_on_root(hosts: list[str], bind: str | None) -> tuple[str, str]:
+    """`coordinator`'s choice, made on process 0 (``hosts``: every process's host name)."""
+    one_host = len(set(hosts)) == 1
+    if bind is None:
+        if one_host:
+            bind = "127.0.0.1"
+        else:
+            try:
+                bind = socket.getaddrinfo(hosts[0], None, type=socket.SOCK_STREAM)[0][4][0]
+            except OSError as e:
+                raise ValueError(
+                    f"cannot resolve process 0's host name {hosts[0]} ({e}): pass "
+                    "--coordinator-bind-address with its address"
+                ) from None
+            if ipaddress.ip_address(bind).is_loopback:
+                raise ValueError(
+                    f"process 0's host name {hosts[0]} resolves to the loopback address "
+                    f"{bind}, which the processes on other hosts cannot reach: pass "
+                    "--coordinator-bind-address with its address on their network"
+                )
+    wildcard = bind in ("0.0.0.0", "::", "[::]")
+    bind = bind.strip("[]")
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:  # a free port there
+            probe.bind((bind, 0))
+            port = probe.getsockname()[1]
+    except OSError as e:
+        raise ValueError(f"--coordinator-bind-address {bind}: cannot listen there: {e}") from None
+    # Processes connect to the bound address; to the host name when every interface listens.
+    connect = ("127.0.0.1" if one_host else hosts[0]) if wildcard else bind
+    return _host_port(connect, port), _host_port(bind, port)
+
+
+def coordinator(comm: Any, bind: str | None = None) -> tuple[str, str]:
+    """The ``jax.distributed`` coordinator's address and the address it listens on, both
+    ``host:port``, chosen on process 0 of the mpi4py communicator ``comm`` and the same on
+    every process.
+
+    jax binds its coordinator to all interfaces (``[::]``) unless told otherwise; it
+    accepts any connection without authentication for the whole run. Here it listens on
+    ``bind`` when given (an address of process 0's host; ``0.0.0.0`` restores jax's
+    default), else on the loopback address when every process runs on one host, else on
+    the address process 0's host name resolves to. The port is one that is free there.
+
+    Raises:
+      ValueError: on every process, when no such address can be used (process 0's name
+        resolves to a loopback address while other hosts take part; ``bind`` is not an
+        address of process 0's host).
+    """
+    hosts = comm.allgather(socket.gethostname())
+    choice: tuple[str, str] | str = ""
+    if comm.Get_rank() == 0:
+        try:
+            choice = _coordinator_on_root(hosts, bind)
+        except ValueError as e:
+            choice = str(e)
+    choice = comm.bcast(choice, root=0)
+    if isinstance(choice, str):
+        raise ValueError(choice)
+    return choice
 
 
 class JaxBackend(HostComm):
@@ -52,14 +121,20 @@ class JaxBackend(HostComm):
     servers = None
     is_server = False
 
-    def __init__(self, devices_per_worker: int = 1):
+    def __init__(self, devices_per_worker: int = 1, bind_address: str | None = None):
         from mpi4py import MPI
 
         self._MPI = MPI
+        self.coordinator = None  # (address, bind address) when initialised here
         if not jax.distributed.is_initialized():
             # Must precede initialize; only the CPU client reads it, so harmless on GPUs.
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(cluster_detection_method="mpi4py")
+            self.coordinator = address, bind = coordinator(MPI.COMM_WORLD, bind_address)
+            jax.distributed.initialize(
+                coordinator_address=address,
+                coordinator_bind_address=bind,
+                cluster_detection_method="mpi4py",
+            )
         # ``rank`` is this process's index (the root is 0); the host communicator ranks
         # processes in the same order, whoever initialised jax.distributed.
         self.rank = jax.process_index()

@@ -18,13 +18,13 @@ run once. ``--set`` overrides apply to the shared config.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.reports.files import json_line
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
@@ -162,10 +162,10 @@ def run_study(
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
         for s in summaries.values():
-            f.write(json.dumps(s) + "\n")
+            f.write(json_line(s))
     with open(out / "metrics.jsonl", "w") as f:
         for r in records:
-            f.write(json.dumps(r) + "\n")
+            f.write(json_line(r))
     (out / "summary.md").write_text(
         summary_markdown(study, summaries, task=task, command=command, wall_s=wall)
     )

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from shoal.comms import wire_bytes
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import Entry
 from shoal.experiments.config import Config, ConfigError
-from shoal.experiments.runner import checkpoint, policies, projection
+from shoal.experiments.runner import checkpoint, memory, policies, projection
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.optim.nonfinite import NonFiniteGradientError, take_raised, update_and_apply
@@ -223,6 +224,7 @@ class _Run:
             self.params, self.opt_state, metrics = self.step_fn(
                 self.params, self.opt_state, *self.batch(step)
             )
+            memory.ready(metrics)  # an XLA out-of-memory raises here, not hangs in gather
             return self.backend.gather(self.backend.stacked(metrics))
         except jax.errors.JaxRuntimeError:
             # nonfinite="raise": every rank raises here, at the same step.
@@ -345,6 +347,7 @@ def train(
     checkpoints: Checkpointer | None = None,
     resume: bool = False,
     max_steps: int | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """Train ``algorithm`` (an `Entry`, or an entry of ``cfg.algorithms`` to resolve) for
     ``cfg.steps`` steps on ``backend``'s workers.
@@ -361,6 +364,9 @@ def train(
     stops and at the end; with ``resume`` it continues from the newest good checkpoint
     (a finished run is returned as saved). ``max_steps`` stops after that many steps of
     this call (``finished`` is then False).
+
+    ``on_record`` (root process only) gets every record as soon as it exists: those a
+    resumed run restores, then one per step (the runner appends them to ``metrics.jsonl``).
     """
     check_grad_chunk(cfg.grad_chunk, backend.name, backend.size)
     # An Entry comes resolved (the CLI and studies resolve every entry before training).
@@ -369,6 +375,9 @@ def train(
     saved = checkpoints.load() if checkpoints is not None and resume else None
     if saved is not None:
         run.resume(saved)
+        if on_record is not None and backend.is_root:
+            for rec in run.records:
+                on_record(rec)
         if run.finished:
             return run.result(cfg.steps, 0)
         checkpoints.remove(newer_than=run.first - 1)  # stale ones, past a corrupt newest
@@ -388,6 +397,8 @@ def train(
         decision = run.consult_policy(step)
         if backend.is_root:
             rec = run.record(step, gathered, decision, avg)
+            if on_record is not None:
+                on_record(rec)
             bar.update(1)
             if evaluate or step % 10 == 0:
                 bar.set_postfix({"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"})
