@@ -63,6 +63,8 @@ LAUNCH: dict[str, Launch] = {
     "bfb_allreduce": Launch(ranks=6, args=("--fused",)),
     # Every quickstart algorithm at 0.1M-4M parameters and 8-64 workers: ~27 min on 2 cores.
     "sim_scale": Launch(timeout=2700),
+    # 18 fresh processes, 12 of them importing JAX: under a minute on 2 cores.
+    "help_speed": Launch(timeout=300),
 }
 
 

@@ -185,8 +185,11 @@ class TaskFields:
     # language model on the Python standard library's source (`shoal.experiments.tasks.lm`), or
     # "images", a CNN on generated 16x16 glyph images (`shoal.experiments.tasks.images`; cnn:
     # "small", two conv stages then dense layers of widths `hidden`, or "even", the same
-    # network with its hidden layer stored as 16 column blocks: no leaf above 10%).
-    task: Literal["mixture", "hmm", "lm", "images"] = "mixture"
+    # network with its hidden layer stored as 16 column blocks: no leaf above 10%), or
+    # your own: "module.path:factory" or "path/to/file.py:factory", a callable taking the
+    # config and returning a `shoal.experiments.tasks.Task` (`--task`; a config file's
+    # get_task(config) sets it). The names `shoal.experiments.tasks.register_task` knows.
+    task: str = "mixture"
     # Classes (mixture) or hidden states (hmm), and the feature dimension.
     num_classes: int = 10
     num_features: int = 32

@@ -59,23 +59,50 @@ def load_file(spec: str | Path) -> Any:
     An unknown field (``Config(foo=1)``) is the `ConfigError` of ``--set foo=1``.
     """
     path = config_path(spec)
-    # Registered in sys.modules so typing.get_type_hints can resolve a config subclass's
-    # annotations.
-    mod_name = f"_shoal_config_{path.stem}"
-    spec_ = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec_)
-    sys.modules[mod_name] = module
-    spec_.loader.exec_module(module)
+    module = load_module(path, fresh=True)
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise ConfigError(f"{path} does not define get_config()")
     try:
-        return get_config()
+        loaded = get_config()
     except TypeError as e:
-        error = _unknown_field(e, mod_name)
+        error = _unknown_field(e, module.__name__)
         if error is None:  # the user's own code: its traceback is what helps
             raise
         raise ConfigError(f"{path}: {error}") from None
+    if callable(getattr(module, "get_task", None)):
+        # The file's own task: named by the file, so every process (and a resumed run's
+        # compatibility check) finds the same one.
+        loaded = _with_task(loaded, f"{path}:get_task")
+    return loaded
+
+
+def _with_task(loaded: Any, spec: str) -> Any:
+    """``loaded`` (a `Config`, or a study of one) training on the task ``spec``."""
+    if isinstance(loaded, Config):
+        return dataclasses.replace(loaded, task=spec)
+    inner = getattr(loaded, "config", None)
+    if isinstance(inner, Config):
+        return dataclasses.replace(loaded, config=dataclasses.replace(inner, task=spec))
+    return loaded
+
+
+def load_module(path: str | Path, fresh: bool = False) -> types.ModuleType:
+    """The module of the Python file ``path``, run once in this process (again when it
+    changed on disk, or with ``fresh``). Registered in ``sys.modules`` so that
+    ``typing.get_type_hints`` resolves a config subclass's annotations."""
+    path = Path(path)
+    name = f"_shoal_config_{path.stem}"
+    stamp = (str(path.resolve()), path.stat().st_mtime_ns)
+    module = sys.modules.get(name)
+    if not fresh and module is not None and getattr(module, "__shoal_stamp__", None) == stamp:
+        return module
+    spec_ = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec_)
+    module.__shoal_stamp__ = stamp
+    sys.modules[name] = module
+    spec_.loader.exec_module(module)
+    return module
 
 
 # What a dataclass __init__ (also through dataclasses.replace) says of an unknown keyword.

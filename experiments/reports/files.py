@@ -100,9 +100,11 @@ class MetricsLog:
 
 
 def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
-    # Eval columns stay empty on steps without an evaluation.
+    # Eval columns stay empty on steps without an evaluation; a task's own test metrics
+    # (`shoal.experiments.tasks.Task.evaluate`) follow the usual columns.
+    extra = {k: None for r in records for k in r if k not in COLUMNS}
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        w = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], restval="")
         w.writeheader()
         w.writerows(records)
 

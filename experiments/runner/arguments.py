@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="override config fields, e.g. --set steps=500 algorithms=ssgd,gtc",
     )
     p.add_argument(
+        "--task",
+        metavar="SPEC",
+        help="the task to train on, the same as --set task=SPEC: a bundled task (mixture, "
+        "hmm, lm, images), or your own as module.path:factory or path/to/file.py:factory "
+        "(a callable taking the config and returning a shoal.experiments.tasks.Task); a "
+        "config file that defines get_task(config) uses it without this flag",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         help="number of workers (with --backend mpi: the MPI world size; jax: the devices "

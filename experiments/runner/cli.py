@@ -47,7 +47,11 @@ from shoal.experiments.runner.arguments import (
 from shoal.experiments.runner.backends import make_backend, world_agree, world_rank
 from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError, folder_name
 from shoal.experiments.runner.checkpoint_files import CheckpointWriteError
-from shoal.experiments.runner.malloc import reexec_with_tunables, restart_simulated
+from shoal.experiments.runner.malloc import (
+    RUNNER_DEFAULT,
+    reexec_with_tunables,
+    restart_simulated,
+)
 from shoal.experiments.runner.output import (
     OutputLock,
     cannot_write,
@@ -56,7 +60,7 @@ from shoal.experiments.runner.output import (
 )
 from shoal.experiments.runner.study import Study, run_study
 from shoal.experiments.runner.train import check_grad_chunk, train
-from shoal.experiments.tasks import make_task
+from shoal.experiments.tasks import check_task, make_task, task_factory
 from shoal.experiments.tasks.bert import num_parameters
 from shoal.optim.nonfinite import NonFiniteGradientError
 
@@ -70,7 +74,7 @@ def _setup(args, backend, loaded):
         )
     from shoal.experiments.overrides import parse_value
 
-    sets = [parse_assignment(o) for o in args.overrides]
+    sets = _assignments(args)
     explicit = args.workers
     if explicit is not None and explicit < 1:
         raise ConfigError(f"--workers must be >= 1, got {explicit}")
@@ -86,6 +90,7 @@ def _setup(args, backend, loaded):
     # config says, so that an error names --workers or the launch ("with workers = N").
     workers = resolve_workers(args.backend, configured, explicit, world, k)
     cfg = apply_overrides(loaded, sets, **({"workers": workers} if workers != configured else {}))
+    task_factory(cfg.task)  # a task that cannot be found: refused before anything runs
     entries = algorithms.resolve_all(cfg)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
     if k > 1:
@@ -103,14 +108,21 @@ def _setup_study(args, study: Study) -> tuple[Study, list]:
             "a study runs its own worker counts on simulated workers: drop --workers and "
             f"--backend {args.backend}"
         )
-    sets = [parse_assignment(o) for o in args.overrides]
+    sets = _assignments(args)
     fixed = [f"{k}={v}" for k, v in sets if k in _STUDY_FIELDS]
     if fixed:
         raise ConfigError(
             f"a study sets {', '.join(_STUDY_FIELDS)} per run: cannot --set {fixed[0]}"
         )
     study = dataclasses.replace(study, config=apply_overrides(study.config, sets))
+    task_factory(study.config.task)
     return study, study.resolve_runs()  # every run checked, before any training
+
+
+def _assignments(args) -> list[tuple[str, str]]:
+    """``--set`` key=value pairs, with ``--task SPEC`` as ``task=SPEC`` last."""
+    sets = [parse_assignment(o) for o in args.overrides]
+    return sets + ([("task", args.task)] if args.task is not None else [])
 
 
 def _main_study(args, study: Study, resolved: list, command: str) -> int:
@@ -226,7 +238,7 @@ def _argument_problem(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a command, not a call from Python: restart with the heap kept?
-        reexec_with_tunables(default="keep")
+        reexec_with_tunables(default=RUNNER_DEFAULT)
     logging.getLogger("jax._src.debugging").addFilter(_QUIET)
     args = build_parser().parse_args(argv)
     args.reexec = argv is None  # may restart itself (`restart_simulated`)
@@ -330,8 +342,6 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     multi = args.backend != "sim" and mpi_world_size() > 1
     # Checkpoints only when asked for: periodically, or to stop and resume.
     checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
-    if problem is None and checkpointing:  # every process saves its own
-        problem = backend.agree(writable_problem(out / "checkpoints"))
     if problem is None and args.resume:
         found = any(Checkpointer(out / "checkpoints", e.label, cfg, backend).steps()
                     for e in entries)  # fmt: skip
@@ -341,6 +351,9 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
                 f"{out / 'checkpoints'}: nothing to continue (a run saves checkpoints with "
                 f"--stop-after or --set checkpoint_every=N); drop --resume to start afresh"
             )
+    # Last: it makes the folder, which a refused run must not leave behind.
+    if problem is None and checkpointing:  # every process saves its own
+        problem = backend.agree(writable_problem(out / "checkpoints"))
     if problem is not None:
         return _error(problem, 2) if is_root else 2
     if args.overwrite:  # the replaced run's checkpoints must not be resumed later
@@ -351,6 +364,10 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     try:
         log = MetricsLog(out / "metrics.jsonl") if is_root else None
         task = make_task(cfg)
+        try:
+            check_task(task, cfg.task)
+        except TypeError as e:  # the same on every process
+            return _error(str(e), 2) if is_root else 2
         count = num_parameters(task.init_params()) * len(backend.local_ranks)
         if args.backend == "sim" and args.reexec:  # too large to keep the heap? (malloc)
             restart_simulated(count, "shoal-run")

@@ -50,6 +50,8 @@ from pathlib import Path
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295:glibc.malloc.arena_max=1"
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 SETTINGS = {"huge": HUGE_PAGES, "keep": TUNABLES}  # SHOAL_MALLOC -> GLIBC_TUNABLES added
+# shoal-run's setting when SHOAL_MALLOC is unset (`reexec_with_tunables`).
+RUNNER_DEFAULT = "keep"
 _MARK = "SHOAL_MALLOC_REEXEC"  # set on restart, to the setting whose tunables were added
 # Simulated workers keep the heap up to this many parameters x workers (0.8 GB of float32
 # per copy of the model over the workers), and take huge pages above it (module docstring).

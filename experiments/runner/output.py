@@ -48,17 +48,14 @@ def cannot_write(folder: Path, error: OSError) -> str:
 
 
 def writable_problem(folder: Path) -> str | None:
-    """Why this process cannot create files in ``folder``, or None. The folders it makes
-    to find out are removed again."""
-    made = _missing(folder)
+    """Why this process cannot create files in ``folder`` (made if missing), or None.
+    Processes may ask at once about one folder: it is made, never removed, here."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         return cannot_write(folder, e)
-    finally:
-        _remove_empty(folder, made)
     return None
 
 

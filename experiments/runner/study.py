@@ -177,8 +177,15 @@ def _workers(n: int) -> str:
 
 
 def relative_reduction(error: float, baseline: float) -> float:
-    """The paper's "relative error reduction" in percent: negative when worse than baseline."""
+    """The paper's "relative error reduction" in percent: negative when worse than baseline;
+    NaN when the baseline makes no error (no reduction is defined)."""
+    if baseline == 0:
+        return float("nan")
     return 100.0 * (baseline - error) / baseline
+
+
+def _signed(value: float) -> str:
+    return "n/a" if value != value else f"{value:+.1f}"  # NaN: the baseline made no error
 
 
 def table_markdown(
@@ -195,7 +202,7 @@ def table_markdown(
             *row.labels,
             str(s["steps"]),
             f"{s['test_error']:.2%}",
-            f"{relative_reduction(s['test_error'], baseline):+.1f}",
+            _signed(relative_reduction(s["test_error"], baseline)),
             f"{s['mb_sent']:.2f}",
             f"{s['wall_s']:.1f}",
         )

@@ -22,6 +22,7 @@ from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner import checkpoint, memory, policies, projection
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
+from shoal.experiments.tasks.protocol import metrics_of
 from shoal.optim.nonfinite import NonFiniteGradientError, take_raised, update_and_apply
 from shoal.optim.readouts import evaluation_params, step_figures
 
@@ -284,7 +285,8 @@ class _Run:
         if decision:
             rec["policy"] = policies.describe(decision)
         if avg is not None:
-            rec["test_loss"], rec["test_accuracy"] = self.task.evaluate(avg)
+            metrics = metrics_of(self.task.evaluate(avg), self.cfg.task)
+            rec.update({f"test_{name}": value for name, value in metrics.items()})
         rec["time_s"] = time.perf_counter() - self.start
         self.records.append(rec)
         return rec

@@ -1,8 +1,9 @@
-"""The benchmark tasks: `make_task` picks one by ``Config.task``; the default is an MLP
-classifier on a synthetic Gaussian mixture.
+"""The tasks: `make_task` builds the one ``Config.task`` names (`task_factory`): a
+bundled one (`register_task`; the default is an MLP classifier on a synthetic Gaussian
+mixture), or your own as ``module.path:factory`` or ``path/to/file.py:factory``.
 
 A task holds its data, model and loss, with the interface of
-`shoal.experiments.tasks.classifier.ClassifierTask`.
+`shoal.experiments.tasks.protocol.Task`.
 
 The data is generated from the config's seed with NumPy, so every worker, rank and
 backend sees the same points and the same batch order; nothing is downloaded.
@@ -11,16 +12,23 @@ backend sees the same points and the same batch order; nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections.abc import Callable
+from pathlib import Path
 
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.experiments.config import Config
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.overrides import load_module
 from shoal.experiments.tasks.acoustic import HMMFrameTask
 from shoal.experiments.tasks.classifier import ClassifierTask
 from shoal.experiments.tasks.images import ImageTask
 from shoal.experiments.tasks.lm import ByteLMTask
+from shoal.experiments.tasks.protocol import Task, check_task
+
+__all__ = ["Task", "check_task", "make_task", "register_task", "registered_tasks", "task_factory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +104,65 @@ class GaussianMixtureTask(ClassifierTask):
         super().__init__(cfg, model, jnp.zeros((1, cfg.num_features), jnp.float32))
 
 
-TASKS = {
-    "mixture": GaussianMixtureTask,
-    "hmm": HMMFrameTask,
-    "lm": ByteLMTask,
-    "images": ImageTask,
-}
+_REGISTRY: dict[str, Callable[[Config], Task]] = {}
 
 
-def make_task(cfg: Config):
-    """The task ``cfg.task`` names, built from ``cfg``."""
-    return TASKS[cfg.task](cfg)
+def register_task(name: str, factory: Callable[[Config], Task]) -> None:
+    """Make ``factory`` (the config -> a `Task`) the task ``--set task=name`` trains on.
+
+    Example:
+      >>> from shoal.experiments.tasks import register_task, registered_tasks
+      >>> "mixture" in registered_tasks()
+      True
+    """
+    if not name.isidentifier():
+        raise ValueError(f"a task name must be an identifier, got {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"task {name!r} is registered already")
+    _REGISTRY[name] = factory
+
+
+def registered_tasks() -> list[str]:
+    """The names `register_task` knows, in registration order."""
+    return list(_REGISTRY)
+
+
+register_task("mixture", GaussianMixtureTask)
+register_task("hmm", HMMFrameTask)
+register_task("lm", ByteLMTask)
+register_task("images", ImageTask)
+
+
+def task_factory(spec: str) -> Callable[[Config], Task]:
+    """The factory of the task ``spec``: a registered name, ``module.path:factory`` (an
+    importable module) or ``path/to/file.py:factory``. `ConfigError` naming ``spec``
+    when there is no such factory."""
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    where, colon, name = spec.rpartition(":")
+    how = (
+        f"task {spec!r}: give a bundled task ({', '.join(_REGISTRY)}), "
+        "module.path:factory or path/to/file.py:factory"
+    )
+    if not (colon and where and name.isidentifier()):
+        raise ConfigError(how)
+    if where.endswith(".py"):
+        if not Path(where).is_file():
+            raise ConfigError(f"task {spec!r}: no file {where}")
+        module = load_module(where)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name is None or not where.startswith(e.name):
+                raise  # the module itself imports something missing: its own error
+            raise ConfigError(f"task {spec!r}: no module {where} ({e})") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"task {spec!r}: {where} defines no callable {name}")
+    return factory
+
+
+def make_task(cfg: Config) -> Task:
+    """The task ``cfg.task`` names (`task_factory`), built from ``cfg``."""
+    return task_factory(cfg.task)(cfg)
