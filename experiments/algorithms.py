@@ -207,6 +207,7 @@ def resolve(entry: str | Entry, cfg: Config) -> Entry:
         raise ConfigError(
             f"unknown algorithm {name!r}; registered: {', '.join(sorted(ALGORITHMS))}"
         )
+    _check_bracket_keys(entry, overrides, algo, cfg)
     sub = apply_overrides(cfg, overrides)
     resolved = Entry(entry, name, algo, sub)
     try:
@@ -221,6 +222,28 @@ def resolve(entry: str | Entry, cfg: Config) -> Entry:
         own = f" (config fields of {name}: {', '.join(sorted(algo.fields))})" if algo.fields else ""
         raise ConfigError(f"algorithm {entry!r}: {err}{own}") from None
     return resolved
+
+
+def _check_bracket_keys(entry: str, overrides: list[str], algo: Algorithm, cfg: Config) -> None:
+    """`ConfigError` for a bracketed override of a run or task field: the run trains every
+    entry with the run's steps, seed, workers, batches and model, so ``ssgd[seed=1]``
+    would train seed 0 under a label that says 1. An entry's brackets take the
+    hyper-parameters (`shoal.experiments.fields.HyperParameters`) and the fields its
+    algorithm declares; unknown keys are left to `apply_overrides`'s error."""
+    from shoal.experiments.fields import HyperParameters
+    from shoal.experiments.overrides import parse_assignment
+
+    allowed = {f.name for f in dataclasses.fields(HyperParameters)} | set(algo.fields or ())
+    known = {f.name for f in dataclasses.fields(cfg)}
+    for item in overrides:
+        key = parse_assignment(item)[0].split(".")[0]
+        if key in known and key not in allowed:
+            raise ConfigError(
+                f"algorithm entry {entry!r}: {key!r} is a field of the whole run (its "
+                f"steps, seed, workers, data or model), the same for every entry: set it "
+                f"with --set {key}=..., or run another config; brackets take an entry's "
+                "hyper-parameters"
+            )
 
 
 def is_reference(label: str) -> bool:

@@ -240,3 +240,11 @@ def test_jax_backend_on_one_device(tmp_path):
     words = ["--backend jax", "one process with one device", "mpiexec -n 4", "--workers 4"]
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, words)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("key", ["seed=1", "steps=10", "batch_size=8", "hidden=16", "workers=2"])
+def test_brackets_refuse_fields_of_the_whole_run(key, capsys):
+    # They used to train with the run's values under a label that claimed otherwise.
+    code, stdout, err = run_main([QUICKSTART, "--set", f"algorithms=ssgd,ssgd[{key}]"], capsys)
+    name = key.split("=")[0]
+    assert_one_line_error(code, stdout, err, [f"ssgd[{key}]", f"'{name}'", "whole run"])

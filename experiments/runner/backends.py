@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Protocol
 
 import jax
@@ -226,6 +227,9 @@ class HostComm:
         collective."""
         sys.stdout.flush()
         sys.stderr.flush()
+        # Hydra tears the job down at once and may drop what it has not forwarded yet:
+        # give this process's last lines (the error that ends the job) time to get out.
+        time.sleep(1.0)
         self._MPI.COMM_WORLD.Abort(code)
         os._exit(code)  # MPICH's Abort may return once the launcher has the request
 
