@@ -198,6 +198,12 @@ class Program:
     period: int = 0
     stage: str = ""
     freeze: int = 0
+    steps: int = 0  # > 0: the run's steps for this program (a field of the whole run)
+
+
+def resolve(prog: Program, cfg) -> algorithms.Entry:
+    """``prog``'s entry resolved as the runner would, with its own steps if it has them."""
+    return algorithms.resolve(prog.entry, dataclasses.replace(cfg, steps=prog.steps or cfg.steps))
 
 
 def programs(names: list[str], cfg) -> list[Program]:
@@ -207,8 +213,8 @@ def programs(names: list[str], cfg) -> list[Program]:
             out.append(Program(name, name, period=cfg.block_size))
         elif name == "onebit_lamb":
             never = 10**9  # past every timed step: the warm-up stage throughout
-            entry = f"{name}[steps={never + 1};onebit_freeze_step={never}]"
-            out.append(Program(name, entry, stage="warmup", freeze=never))
+            entry = f"{name}[onebit_freeze_step={never}]"
+            out.append(Program(name, entry, stage="warmup", freeze=never, steps=never + 1))
             entry = f"{name}[onebit_freeze_step={COMPRESS_FREEZE}]"
             out.append(Program(name, entry, stage="compression", freeze=COMPRESS_FREEZE))
         else:
@@ -278,7 +284,8 @@ class Runner:
         return seconds
 
     def check(self, label: str) -> None:
-        loss, skipped = np.asarray(self.metrics[0]), np.asarray(self.metrics[-1])
+        loss, figures = np.asarray(self.metrics[0]), self.metrics[-1]
+        skipped = np.asarray(figures.get("skipped", 0))
         if skipped.max() > 0:
             raise AssertionError(f"{label}: {skipped.max()} steps skipped (non-finite check)")
         if not np.isfinite(loss).all():
@@ -342,7 +349,7 @@ class Case:
 
     def build(self, prog: Program):
         cfg = self.cfg
-        entry = algorithms.resolve(prog.entry, cfg)
+        entry = resolve(prog, cfg)
         group_size = entry.group_size
         if group_size is None:
             comms = self.backend.collective
@@ -355,7 +362,7 @@ class Case:
     def measure(self, prog: Program) -> None:
         labels = row_labels(prog, self.cfg)
         try:
-            algorithms.resolve(prog.entry, self.cfg)
+            resolve(prog, self.cfg)
         except ConfigError as err:
             for key, _ in labels:
                 self.results[key] = float("nan")
@@ -371,7 +378,7 @@ class Case:
         base = self.base
 
         def with_density(seconds: float) -> float:
-            density = np.asarray(runner.metrics[3])
+            density = np.asarray(runner.metrics[-1].get("density", np.nan))
             if np.isfinite(density).all():
                 self.density.setdefault(labels[0][0], []).append(float(density.max()))
             return seconds

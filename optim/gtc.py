@@ -251,5 +251,10 @@ def sent_fraction(opt_state: Any) -> jax.Array | None:
     if not states:
         return None
     sent = sum(s.sent for s in states)
-    total = sum(sum(math.prod(x.shape) for x in jax.tree.leaves(s.residual)) for s in states)
+    # A state stacked over workers (outside vmap) has a leading axis on ``sent`` and on
+    # every residual: those axes are the workers', not elements compressed.
+    batch = jnp.ndim(states[0].sent)
+    total = sum(
+        sum(math.prod(x.shape[batch:]) for x in jax.tree.leaves(s.residual)) for s in states
+    )
     return sent / max(total, 1)

@@ -12,27 +12,61 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from optax import tree_utils
 
 from shoal.optim.gtc import sent_fraction
 from shoal.optim.noise_scale import noise_scale
 from shoal.optim.nonfinite import skipped_steps
 
-__all__ = ["evaluation_params", "step_figures"]
+__all__ = ["READOUTS", "Readout", "evaluation_params", "step_figures"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Readout:
+    """One per-step figure a training loop reads from any optimizer state.
+
+    Attributes:
+      name: its key in `step_figures` and in the runner's records.
+      read: the figure of a state (one worker's, or stacked), None when it holds none.
+      by_device: how the values of a worker's devices make the worker's (``"mean"`` or
+        ``"first"``: one its devices share), when a worker spans several.
+      over_workers: how the workers' values make the run's record (``"mean"`` or
+        ``"max"``).
+      shown: whether a run's value is recorded (e.g. a count only once it is not 0).
+    """
+
+    name: str
+    read: Callable[[Any], jax.Array | None]
+    by_device: str
+    over_workers: str
+    shown: Callable[[Any], bool] = lambda value: True
+
+    def combine(self, values: np.ndarray) -> float | int:
+        """The run's value from the workers' ``values`` (host arrays)."""
+        if self.over_workers == "max":
+            return np.max(values).item()
+        return float(np.mean(values, dtype=np.float64))
+
+
+# The per-step figures, in the order the runner records them: a new one is a new row.
+READOUTS = (
+    # Elements sent over elements compressed by GTC (`shoal.optim.gtc.sent_fraction`).
+    Readout("density", sent_fraction, by_device="mean", over_workers="mean"),
+    # The gradient noise scale B_simple (`shoal.optim.noise_scale`).
+    Readout("noise_scale", noise_scale, by_device="first", over_workers="mean"),
+    # Steps skipped so far for a non-finite gradient (`shoal.optim.skip_nonfinite`).
+    Readout("skipped", skipped_steps, "first", "max", shown=lambda steps: steps > 0),
+)
 
 
 def step_figures(opt_state: Any) -> dict[str, jax.Array]:
-    """The per-step figures ``opt_state`` holds, by name; only those it has:
-
-    * ``"density"``: elements sent over elements compressed by GTC
-      (`shoal.optim.gtc.sent_fraction`);
-    * ``"noise_scale"``: the gradient noise scale ``B_simple``
-      (`shoal.optim.noise_scale`);
-    * ``"skipped"``: steps skipped for a non-finite gradient so far
-      (`shoal.optim.skip_nonfinite`).
+    """The figures of `READOUTS` that ``opt_state`` holds, by name (only those it has).
 
     Args:
       opt_state: an optimizer state (one worker's, or stacked over workers).
@@ -40,11 +74,7 @@ def step_figures(opt_state: Any) -> dict[str, jax.Array]:
     Returns:
       a dict of scalar arrays (a leading worker axis when stacked or under ``vmap``).
     """
-    found = {
-        "density": sent_fraction(opt_state),
-        "noise_scale": noise_scale(opt_state),
-        "skipped": skipped_steps(opt_state),
-    }
+    found = {r.name: r.read(opt_state) for r in READOUTS}
     return {k: v for k, v in found.items() if v is not None}
 
 

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -24,7 +23,7 @@ from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.tasks.protocol import metrics_of
 from shoal.optim.nonfinite import NonFiniteGradientError, take_raised, update_and_apply
-from shoal.optim.readouts import evaluation_params, step_figures
+from shoal.optim.readouts import READOUTS, evaluation_params, step_figures
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
 
@@ -67,21 +66,16 @@ def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False, g
         # This update's bytes; the host sums them, since a policy change may re-init the
         # exchange (and with it the state's totals since init) mid-run.
         wire = wire_bytes(opt_state, "step")
-        # NaN (0 skipped): the algorithm has no such figure. A sparsifier's density says how
-        # full its fixed-capacity buffer was.
-        figures = step_figures(opt_state)
-        density = figures.get("density", jnp.float32(jnp.nan))
-        noise = figures.get("noise_scale", jnp.float32(jnp.nan))
-        skipped = figures.get("skipped", jnp.int32(0))
-        return params, opt_state, (loss, wire.sent, wire.received, density, noise, skipped)
+        # The figures of `shoal.optim.readouts.READOUTS` this state holds, by name.
+        return params, opt_state, (loss, wire.sent, wire.received, step_figures(opt_state))
 
     return step
 
 
 # How the `make_step` metrics of a worker's devices make the worker's (`backend.by_worker`):
-# the loss, noise scale and skip count are the worker's on each of its devices; each device
-# sends and receives its own pieces; the density is per piece, and the pieces equal-sized.
-METRIC_OPS = ("first", "sum", "sum", "mean", "first", "first")
+# the loss is the worker's on each of its devices; each device sends and receives its own
+# pieces. The figures say their own (`Readout.by_device`).
+METRIC_OPS = ("first", "sum", "sum")
 
 
 def check_grad_chunk(grad_chunk: int, backend: str, workers: int) -> None:
@@ -260,10 +254,12 @@ class _Run:
     def record(self, step: int, gathered: Any, decision: Any, avg: Any) -> dict[str, Any]:
         """The root's record of ``step`` from the gathered metrics; adds to the totals."""
         backend = self.backend
-        loss, sent, received, density, noise, skipped = gathered
+        loss, sent, received, figures = gathered
         sent, received = np.asarray(sent), np.asarray(received)  # exact int64
-        loss, sent, received, density, noise, skipped = backend.by_worker(
-            (loss, sent, received, density, noise, skipped), METRIC_OPS
+        found = [r for r in READOUTS if r.name in figures]
+        loss, sent, received, *values = backend.by_worker(
+            (loss, sent, received, *(figures[r.name] for r in found)),
+            (*METRIC_OPS, *(r.by_device for r in found)),
         )
         self.sent_total += sent
         self.received_total += received
@@ -276,12 +272,10 @@ class _Run:
             "mb_sent": float(self.sent_total.mean() / MB),
             "mb_received": float(self.received_total.mean() / MB),
         }
-        if not np.isnan(density).any():
-            rec["density"] = float(np.mean(density, dtype=np.float64))
-        if not np.isnan(noise).all():
-            rec["noise_scale"] = float(np.mean(noise, dtype=np.float64))
-        if skipped.max() > 0:
-            rec["skipped"] = int(skipped.max())  # steps skipped so far
+        for readout, value in zip(found, values, strict=True):
+            value = readout.combine(value)
+            if readout.shown(value):
+                rec[readout.name] = value
         if decision:
             rec["policy"] = policies.describe(decision)
         if avg is not None:
