@@ -26,23 +26,19 @@ from shoal.comms.recording import RecordingCollective, record_events
 from shoal.comms.servers import ParameterServers, ServerStats
 from shoal.comms.topk import TopK
 from shoal.comms.wire import ByteCount, WireCount, WireMeter, tree_nbytes, wire_bytes
-from shoal.costmodel import Cluster, Event, Projection, project, step_comm_time
 
 __all__ = [
     "REDUCE_OPS",
     "AtomicPlacement",
     "AxisCollective",
     "ByteCount",
-    "Cluster",
     "Collective",
     "Compressor",
-    "Event",
     "Float32",
     "FusionPlan",
     "MPICollective",
     "OneBit",
     "ParameterServers",
-    "Projection",
     "Quantized",
     "RecordingCollective",
     "ServerStats",
@@ -60,13 +56,11 @@ __all__ = [
     "plan_fusion",
     "ppermute_switch",
     "reduce_scatter",
-    "project",
     "quantized_allreduce",
     "quantized_allreduce_bytes",
     "quantized_allreduce_init",
     "quantized_allreduce_padded_size",
     "record_events",
-    "step_comm_time",
     "tree_nbytes",
     "two_tier",
     "wire_bytes",

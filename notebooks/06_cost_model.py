@@ -17,7 +17,8 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from shoal.comms import Cluster, record_events, step_comm_time
+from shoal.comms import record_events
+from shoal.costmodel import Cluster, step_comm_time
 from shoal.experiments import algorithms
 from shoal.experiments.overrides import load_config
 from shoal.experiments.tasks import make_task
@@ -40,7 +41,7 @@ NAMES = [a for a in cfg.algorithms]
 # their `(intra, inter)` split (groups of `group_size` consecutive workers).
 
 # %%
-from shoal.comms import Event
+from shoal.costmodel import Event
 
 
 def events_of(name, workers):

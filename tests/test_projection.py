@@ -5,8 +5,8 @@ import harness
 import pytest
 from harness import QUICKSTART
 
-from shoal.comms import Cluster, Event, step_comm_time, tree_nbytes
-from shoal.costmodel import ring_all_reduce
+from shoal.comms import tree_nbytes
+from shoal.costmodel import Cluster, Event, ring_all_reduce, step_comm_time
 from shoal.experiments.config import ConfigError
 from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.projection import project_run

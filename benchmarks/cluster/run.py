@@ -12,7 +12,7 @@ c. ``shoal-run --backend mpi`` of the quickstart's algorithms, one rank per host
    wider MLP (``--hidden``, 4.3M parameters by default), plus ``local``: BMUF with one
    block over the whole run, whose timed steps exchange nothing (the compute time);
 d. the same for ``--backend jax`` (gloo over TCP) for a few algorithms;
-e. the cost model (`shoal.comms.Cluster` of the shaped network) on the same runs'
+e. the cost model (`shoal.costmodel.Cluster` of the shaped network) on the same runs'
    recorded collectives (`shoal.comms.record_events`), against the measurement; a
    reference run of every algorithm on an unthrottled network of namespaces (the same
    jobs with tbf at 100 Gbit/s) separates an algorithm's own compute from its network time;
@@ -236,7 +236,8 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     """Projected communication seconds per timed step of each algorithm (the same config,
     its collectives recorded by `record_events` and timed on ``cluster``), and the
     forward+backward seconds of one local batch in this process alone."""
-    from shoal.comms import record_events, step_comm_time
+    from shoal.comms import record_events
+    from shoal.costmodel import step_comm_time
     from shoal.experiments import algorithms
     from shoal.experiments.overrides import apply_overrides, load_config
     from shoal.experiments.runner.projection import compute_seconds
@@ -381,7 +382,7 @@ def measure(setup: Setup) -> dict:
                     _kill_group(proc)
                 _kill_in_hosts(ref)
     # The cost model, after the measurements (it computes on this machine).
-    from shoal.comms import Cluster
+    from shoal.costmodel import Cluster
 
     bw = setup.rate_mbit * 1e6 / 8
     gamma = 1 / reduce_rate()

@@ -1,10 +1,10 @@
 """Project a run to a cluster: the step time an algorithm would have on ``project_workers``
-workers of a preset `shoal.comms.Cluster`.
+workers of a preset `shoal.costmodel.Cluster`.
 
 The run's collectives are replayed step by step for that many workers
 (`shoal.comms.record_events`: one worker's steps with a recording stand-in collective, so
 only the branches taken are counted, and a policy's changes apply from the step after
-they were made), timed with `shoal.comms.step_comm_time`, and added to the compute time of
+they were made), timed with `shoal.costmodel.step_comm_time`, and added to the compute time of
 one worker's step measured on this machine (forward and backward of one local batch; no
 overlap of compute and communication). The numbers answer "how would this algorithm's
 communication scale", not "how fast is this model on that cluster's GPUs".
@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from shoal.comms import Cluster, record_events, step_comm_time
-from shoal.costmodel import PRESETS
+from shoal.comms import record_events
+from shoal.costmodel import PRESETS, Cluster, step_comm_time
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config
 
