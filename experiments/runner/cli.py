@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = _argument_problem(args)
     # Under mpiexec (--backend mpi or jax) every process decides together, servers
     # included: one that stops alone would leave the others waiting for it.
-    world = mpi_world_size() if args.backend != "sim" else 1
+    world = args.world = mpi_world_size() if args.backend != "sim" else 1
     if world > 1:
         problem = world_agree(problem)
     if problem is None and args.backend == "mpi" and world == 1:
@@ -339,7 +339,7 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     """Train ``cfg``'s entries into the claimed folder ``out`` and write the results;
     ``problem``: why the folder may not be used (every process's decision)."""
     is_root = backend.is_root
-    multi = args.backend != "sim" and mpi_world_size() > 1
+    multi = args.world > 1  # several processes: a failure of this one must end the others
     # Checkpoints only when asked for: periodically, or to stop and resume.
     checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
     if problem is None and args.resume:
