@@ -192,3 +192,12 @@ def test_output_lock_names_its_holder(tmp_path):
     assert not (tmp_path / "deep").exists()  # made by the lock, removed empty
     assert second.acquire() is None
     second.release()
+
+
+def test_a_relative_output_folder_checkpoints_and_resumes(tmp_path, monkeypatch, capsys):
+    # orbax's writer refuses relative paths: `--out out/run` failed at the first save.
+    monkeypatch.chdir(tmp_path)
+    args = [QUICKSTART, *SMALL, "--set", "steps=20", "checkpoint_every=10", "--out", "out/run"]
+    assert main([*args, "--stop-after", "15"]) == 0
+    assert main([*args, "--resume"]) == 0
+    assert len(strict((tmp_path / "out/run/metrics.jsonl").read_text())) == 20

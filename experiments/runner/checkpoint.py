@@ -124,7 +124,8 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, algorithm: str, cfg: Config, backend: Any):
-        self.folder = Path(root) / folder_name(algorithm)
+        # Absolute: orbax's OCDBT writer refuses a relative path (``--out runs/x``).
+        self.folder = Path(root).absolute() / folder_name(algorithm)
         self.rank = backend.rank
         self.backend = backend
         self.every = cfg.checkpoint_every
