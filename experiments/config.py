@@ -1,11 +1,12 @@
 """Experiment configs: the typed dataclass `Config` and its checks.
 
-`Config` is three field groups: `RunFields` (below: workers, schedule, checkpoints,
-non-finite policy, logs), `shoal.experiments.fields.TaskFields` and
-`shoal.experiments.fields.HyperParameters`; each checks its own fields. A config file
-under ``experiments/configs/`` defines ``get_config()`` returning a `Config` (or a
-subclass with extra fields); `shoal.experiments.overrides` loads it and applies ``--set
-key=value`` overrides.
+`Config` is two field groups, `RunFields` (below: workers, schedule, checkpoints,
+non-finite policy, logs) and `shoal.experiments.fields.TaskFields`, each checking its own
+fields, plus ``params``: the hyper-parameters of the algorithms, each a typed dataclass
+of the algorithm's own module (`shoal.experiments.algorithms`). A config file under
+``experiments/configs/`` defines ``get_config()`` returning a `Config` (or a subclass
+with extra fields); `shoal.experiments.overrides` loads it and applies ``--set
+key=value`` overrides (``--set diloco.sync_every=20`` sets ``params["diloco"]``).
 """
 
 from __future__ import annotations
@@ -13,17 +14,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from shoal.experiments.fields import (
     ConfigError,
-    HyperParameters,
     TaskFields,
     check_field,
     check_types,
 )
 
-__all__ = ["Config", "ConfigError", "HyperParameters", "RunFields", "TaskFields"]
+__all__ = ["Config", "ConfigError", "RunFields", "TaskFields"]
 
 # The largest seed: NumPy's default_rng refuses negative seeds, and jax.random.key keeps
 # only the low 32 bits of a seed in its default 32-bit mode (2**32 draws as 0 does).
@@ -143,33 +143,48 @@ class RunFields:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(HyperParameters, TaskFields, RunFields):
+class Config(TaskFields, RunFields):
     """One experiment: a task, the algorithms to compare on it, and how to train them.
 
     Every algorithm in ``algorithms`` trains from the same initial parameters on the
-    same batches. Its fields, all flat ``--set`` keys, come in three groups, each with
-    its checks: `RunFields`, `TaskFields` and `HyperParameters` (read by the builders in
-    `shoal.experiments.builders`).
+    same batches. The run's and the task's fields are flat ``--set`` keys (`RunFields`,
+    `TaskFields`); ``params`` maps an algorithm's name to its hyper-parameters for this
+    run (its module's dataclass, or a dict of its fields; the defaults for an algorithm
+    not named), spelt ``--set diloco.sync_every=20``. One entry may change its own in
+    brackets: ``algorithms=("diloco[sync_every=20]",)``.
 
     Example:
       >>> from shoal.experiments.config import Config
-      >>> cfg = Config(algorithms=("ssgd", "gtc"), workers=4, gtc_threshold=0.05)
-      >>> cfg.steps, cfg.task
-      (200, 'mixture')
-      >>> Config(momentum=1.0)
+      >>> cfg = Config(algorithms=("ssgd", "gtc"), workers=4, params={"gtc": {"threshold": 0.05}})
+      >>> cfg.steps, cfg.task, cfg.params["gtc"].threshold
+      (200, 'mixture', 0.05)
+      >>> Config(params={"ssgd": {"local": {"momentum": 1.0}}})
       Traceback (most recent call last):
       ...
       shoal.experiments.fields.ConfigError: config field 'momentum' must be a float in [0, 1)
     """
+
+    # Algorithm name -> its hyper-parameters (`shoal.experiments.algorithms`); the
+    # defaults are filled in for every algorithm in `algorithms`.
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         # Types first, for config files, --set, studies and direct construction alike (and
         # a subclass's own fields): the checks below compare and count. It also stores
         # lists as tuples (hashable, as annotated) and ints given for floats as floats.
         check_types(self)
+        from shoal.experiments.algorithms import ALGORITHMS, check_params, parse_entry
+
+        params = check_params(self.params)
+        # Every algorithm the run names gets its defaults written out: the run's records,
+        # summary and checkpoints then show every hyper-parameter it trained with.
+        for entry in self.algorithms:
+            name = parse_entry(entry)[0]
+            if name in ALGORITHMS and name not in params:
+                params[name] = ALGORITHMS[name].params()
+        object.__setattr__(self, "params", params)
         self.check_run()
         self.check_task()
-        self.check_hyper()
         check_field(
             self.workers * self.batch_size <= self.train_size,
             "batch_size",

@@ -1,9 +1,9 @@
-"""The field groups `shoal.experiments.config.Config` is made of, each with its checks:
-`TaskFields` (the task and its model) and `HyperParameters` (the local optimizer and the
-bundled algorithms' hyper-parameters, read by `shoal.experiments.builders`).
+"""Typed config fields and their checks: `check_types` (every field against its
+annotation), `check_field`, `ConfigError`, and `TaskFields` (the task and its model), one of
+the groups `shoal.experiments.config.Config` is made of.
 
-Every field is a flat ``--set`` key (``--set gtc_threshold=0.05``); the groups only say
-which concern a field belongs to and keep its checks beside it.
+The algorithms' hyper-parameters are not here: each algorithm's own module under
+`shoal.experiments.algorithms` holds them, as a typed dataclass (``--set diloco.sync_every=20``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numbers
 import types
 import typing
 import weakref
+from collections.abc import Mapping
 from typing import Any, Literal
 
 
@@ -62,6 +63,32 @@ def check_types(obj: Any, prefix: str = "") -> None:
         conformed = _conform(value, hints.get(f.name, Any), name)
         if conformed is not value:
             object.__setattr__(obj, f.name, conformed)  # frozen: the field is not set yet
+
+
+def from_mapping(cls: type, values: Mapping[str, Any], name: str = "") -> Any:
+    """The dataclass ``cls`` made from ``values`` (its fields by name; nested dataclasses
+    may be mappings too), checked; `ConfigError` naming an unknown key."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in values:
+        if key not in names:
+            where = f"{name}." if name else ""
+            raise ConfigError(
+                f"unknown config key {where}{key!r}; {cls.__name__} has: {', '.join(names)}"
+            )
+    return cls(**values)
+
+
+def rebuilt(obj: Any) -> Any:
+    """The dataclass ``obj`` made again through its __init__, nested dataclasses first, so
+    that every __post_init__ check runs on its final values."""
+    nested = {
+        f.name: rebuilt(getattr(obj, f.name))
+        for f in dataclasses.fields(obj)
+        if f.init
+        and dataclasses.is_dataclass(getattr(obj, f.name))
+        and not isinstance(getattr(obj, f.name), type)
+    }
+    return dataclasses.replace(obj, **nested)
 
 
 class _Mismatch(Exception):
@@ -136,6 +163,8 @@ def _fit(value: Any, tp: Any, name: str) -> Any:
             raise _Mismatch
         return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, Mapping):  # {"sync_every": 20}: the dataclass's fields by name
+            return from_mapping(tp, value, name)
         if not isinstance(value, tp):
             raise _Mismatch
         check_types(value, prefix=f"{name}.")
@@ -235,159 +264,3 @@ class TaskFields:
                 f"less than num_classes = {self.num_classes} (the successors are other states)",
             )
         check_field(0 <= self.hmm_self_loop < 1, "hmm_self_loop", "a float in [0, 1)")
-
-
-@dataclasses.dataclass(frozen=True)
-class HyperParameters:
-    """The local optimizer and the bundled algorithms' hyper-parameters.
-
-    An algorithm's transformation checks its own hyper-parameters when
-    `shoal.experiments.algorithms.resolve` makes it (one source of truth); `check_hyper`
-    checks only the knobs of the optimizers the builders chain (learning rates, DiLoCo's
-    outer step), which no transformation sees whole, and the runner's (block and group
-    sizes, the adaptive policy).
-    """
-
-    # Local optimizer shared by the algorithms (SGD with heavy-ball momentum).
-    learning_rate: float = 0.05
-    momentum: float = 0.9
-
-    # LAMB and 1-bit LAMB (`shoal.optim.onebit_lamb`), full optimizers on the workers'
-    # local gradients: peak learning rate, moment decays, decoupled weight decay, and
-    # the schedule: linear warm-up over lamb_lr_warmup * steps, then constant or decay
-    # (cosine or linear) to 0 after the last step. 1-bit LAMB's warm-up stage (dense
-    # all-reduce) lasts onebit_freeze_step steps, or round(onebit_freeze_fraction * steps)
-    # when that is None; "lamb" is the warm-up stage for every step.
-    lamb_learning_rate: float = 0.02
-    lamb_b1: float = 0.9
-    lamb_b2: float = 0.999
-    weight_decay: float = 0.0
-    lamb_lr_warmup: float = 0.0
-    lamb_lr_decay: Literal["constant", "cosine", "linear"] = "constant"
-    onebit_freeze_fraction: float = 0.15
-    onebit_freeze_step: int | None = None
-
-    # GTC (`shoal.optim.gtc`): threshold tau, and words per worker per step as a
-    # fraction of the parameters.
-    gtc_threshold: float = 0.1
-    gtc_capacity: float = 0.08
-
-    # BMUF (`shoal.optim.bmuf`) and two-tier BMUF_GTC (`shoal.optim.bmuf_gtc`, which also
-    # reads gtc_threshold and gtc_capacity): local steps per block, block learning rate
-    # zeta, block momentum eta (None: eq. 5 with C = 1, eta = 1 - zeta / M for the M
-    # models averaged: M = workers for bmuf, workers / group_size for bmuf_gtc), Nesterov
-    # block momentum and its variant, S-SGD warm-up steps (bmuf only), and whether the
-    # local optimizer's momentum restarts after every BMUF step.
-    block_size: int = 10
-    block_lr: float = 1.0
-    block_momentum: float | None = None
-    nesterov: bool = True
-    nbm: Literal["seed", "chen_huo"] = "seed"
-    warmup_steps: int = 0
-    reset_inner_state: bool = True
-    # BMUF_GTC: workers per group P (consecutive workers; must divide workers).
-    group_size: int = 2
-
-    # DiLoCo (`shoal.optim.diloco`): updates per round (the outer step runs every
-    # diloco_sync_every updates; steps must be a multiple of it, so that the last step is
-    # an outer step), the outer Nesterov SGD's learning rate and momentum (the paper's 0.7
-    # and 0.9), and the inner optimizer: "adamw" (the paper's; learning rate
-    # diloco_inner_lr, decoupled weight decay weight_decay) or "sgd" (the local optimizer
-    # of the other algorithms: learning_rate, momentum). Its state is never reset.
-    diloco_sync_every: int = 10
-    diloco_outer_lr: float = 0.7
-    diloco_outer_momentum: float = 0.9
-    diloco_inner: Literal["adamw", "sgd"] = "adamw"
-    diloco_inner_lr: float = 1e-3
-    # The exchange of DiLoCo's outer gradient (`diloco`, `streaming_diloco`): "float32"
-    # (an all-reduce), "int8" / "fp8" / "fp4" (`shoal.comms.Quantized`, blocks of 128,
-    # error feedback) or "topk" (`shoal.comms.TopK` with topk_fraction, topk_chunk_size
-    # and topk_value_bits: SparseLoCo's exchange).
-    diloco_exchange: Literal["float32", "int8", "fp8", "fp4", "topk"] = "float32"
-    # Streaming DiLoCo (`shoal.optim.streaming_diloco`, with the diloco_* fields above):
-    # fragments syncing in turn, the steps an outer update waits before it is merged
-    # (overlap tau), and the merge's weight on the local model (mix).
-    streaming_fragments: int = 4
-    streaming_overlap: int = 0
-    streaming_mix: float = 0.5
-
-    # Top-k with error feedback (`shoal.optim.topk`, then `local_sgd`; also DiLoCo's "topk"
-    # exchange): the share of each chunk of topk_chunk_size values sent, and the bits of
-    # each sent value (0: float32).
-    topk_fraction: float = 0.01
-    topk_chunk_size: int = 64
-    topk_value_bits: Literal[0, 2, 4, 8] = 0
-    # PowerSGD (`shoal.optim.powersgd`, then `local_sgd`): rank and plain all-reduce steps.
-    powersgd_rank: int = 4
-    powersgd_start_step: int = 0
-    # DeMo (`shoal.optim.demo`, then SGD at demo_lr without momentum): momentum decay,
-    # DCT chunk size, coefficients sent per chunk, and sign of the update.
-    demo_momentum: float = 0.999
-    demo_chunk_size: int = 64
-    demo_topk: int = 32
-    demo_sign: bool = True
-    demo_lr: float = 1e-3
-
-    # Herring's balanced fusion buffers (`shoal.optim.bfb_allreduce`): bytes per buffer
-    # (0: automatic). Dedicated server ranks come from `shoal-run --servers S`.
-    bfb_buffer_bytes: int = 0
-
-    # KungFu (`shoal.optim`): partial gradient exchange fraction of the gradient bytes per
-    # step (pgx), peer model averaging strategy and staleness (peer), synchronous model
-    # averaging rate (sma), and the EMA of the gradient noise scale monitor.
-    pgx_fraction: float = 0.3
-    peer_strategy: Literal["round_robin", "random"] = "round_robin"
-    peer_staleness: int = 0
-    sma_alpha: float = 0.1
-    noise_ema: float = 0.9
-
-    # Closed-loop adaptation (`shoal.experiments.runner.policies`, algorithm "adaptive"): every
-    # policy_every steps the policy may change the synchronisation; "adaptive" exchanges all
-    # gradients (monitoring the noise scale) until the median noise scale of the last
-    # policy_every steps exceeds noise_threshold, then a fraction adaptive_fraction (PGX).
-    # The policy is not consulted before step policy_after (early noise estimates swing).
-    policy_every: int = 10
-    policy_after: int = 0
-    noise_threshold: float = 1000.0
-    adaptive_fraction: float = 0.1
-    adaptive_sync: Literal["full", "partial"] = "full"
-
-    def check_hyper(self) -> None:
-        """`ConfigError` for a hyper-parameter that no transformation checks."""
-        for f in ("block_size", "group_size", "policy_every"):
-            check_field(getattr(self, f) >= 1, f, "an int >= 1")
-        check_field(self.policy_after >= 0, "policy_after", "an int >= 0")
-        check_field(0 < self.adaptive_fraction <= 1, "adaptive_fraction", "a float in (0, 1]")
-        check_field(self.learning_rate > 0, "learning_rate", "a float > 0")
-        check_field(0 <= self.momentum < 1, "momentum", "a float in [0, 1)")
-        check_field(self.lamb_learning_rate > 0, "lamb_learning_rate", "a float > 0")
-        # Also AdamW's (ssgd_adamw, DiLoCo's inner step), which optax does not check.
-        check_field(self.weight_decay >= 0, "weight_decay", "a float >= 0")
-        check_field(0 <= self.lamb_lr_warmup < 1, "lamb_lr_warmup", "a float in [0, 1)")
-        check_field(
-            0 < self.onebit_freeze_fraction < 1, "onebit_freeze_fraction", "a float in (0, 1)"
-        )
-        check_field(
-            self.onebit_freeze_step is None or self.onebit_freeze_step >= 1,
-            "onebit_freeze_step",
-            "None (from onebit_freeze_fraction) or an int >= 1",
-        )
-        check_field(self.block_lr > 0, "block_lr", "a float > 0")
-        check_field(self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
-        check_field(self.diloco_sync_every >= 1, "diloco_sync_every", "an int >= 1")
-        check_field(
-            0 < self.diloco_outer_lr < float("inf"), "diloco_outer_lr", "a finite float > 0"
-        )
-        check_field(
-            0 <= self.diloco_outer_momentum < 1, "diloco_outer_momentum", "a float in [0, 1)"
-        )
-        check_field(self.diloco_inner in ("adamw", "sgd"), "diloco_inner", '"adamw" or "sgd"')
-        check_field(self.diloco_inner_lr > 0, "diloco_inner_lr", "a float > 0")
-        exchanges = ("float32", "int8", "fp8", "fp4", "topk")
-        check_field(self.diloco_exchange in exchanges, "diloco_exchange", f"one of {exchanges}")
-        check_field(
-            0 <= self.streaming_overlap < self.diloco_sync_every,
-            "streaming_overlap",
-            f"an int in [0, diloco_sync_every = {self.diloco_sync_every})",
-        )
-        check_field(self.demo_lr > 0, "demo_lr", "a float > 0")

@@ -3,7 +3,9 @@
 A config file under ``experiments/configs/`` defines ``get_config()`` returning a
 `Config` (or a subclass with extra fields), or a study or an analysis. ``--set key=value``
 converts ``value`` with the field's type annotation; nested dataclass fields take dotted
-keys; `flatten` writes a config's fields back in that spelling.
+keys, and an algorithm's hyper-parameters its name first (``--set
+diloco.outer.learning_rate=0.5``: ``Config.params``); `flatten` writes a config's fields
+back in that spelling.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.fields import rebuilt
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -130,6 +133,12 @@ def _unknown_field(error: TypeError, module: str) -> str | None:
 
 
 def _unknown_key(cls: type, name: str, key: str) -> str:
+    if issubclass(cls, Config):
+        from shoal.experiments.algorithms.renamed import new_spelling
+
+        moved = new_spelling(name)
+        if moved:
+            return moved
     names = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(name, names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -173,7 +182,7 @@ def apply_overrides(cfg: Any, assignments: Iterable[str | tuple[str, str]], **fi
     if out is cfg:
         return cfg
     try:
-        return _checked(out)
+        return rebuilt(out)
     except ValueError as e:  # a config's own validation
         raise ConfigError(f"{_blame(str(e), items, fields)}{e}") from None
 
@@ -193,29 +202,28 @@ def _blame(message: str, items: list[tuple[str, str]], fields: dict[str, Any]) -
 
 
 def _unchecked_replace(obj: Any, name: str, value: Any) -> Any:
-    """``obj`` with ``name`` set, its checks not run yet (`_checked` runs them once every
+    """``obj`` with ``name`` set, its checks not run yet (`rebuilt` runs them once every
     change is in)."""
     new = copy.copy(obj)
     object.__setattr__(new, name, value)  # frozen dataclasses too
     return new
 
 
-def _checked(obj: Any) -> Any:
-    """``obj`` built again through its __init__, nested dataclasses first, so that every
-    __post_init__ check runs on the final values."""
-    nested = {
-        f.name: _checked(getattr(obj, f.name))
-        for f in dataclasses.fields(obj)
-        if f.init
-        and dataclasses.is_dataclass(getattr(obj, f.name))
-        and not isinstance(getattr(obj, f.name), type)
-    }
-    return dataclasses.replace(obj, **nested)
-
-
 def _set(obj: Any, path: list[str], text: str, key: str) -> Any:
     names = [f.name for f in dataclasses.fields(obj)]
     name = path[0]
+    if name not in names and isinstance(obj, Config):
+        from shoal.experiments.algorithms import ALGORITHMS
+
+        if name in ALGORITHMS:  # an algorithm's hyper-parameter: Config.params
+            if len(path) == 1:
+                raise ConfigError(
+                    f"config key {key!r} names an algorithm: set one of its fields, e.g. "
+                    f"--set {name}.{dataclasses.fields(ALGORITHMS[name].params)[0].name}=..."
+                )
+            current = obj.params.get(name) or ALGORITHMS[name].params()
+            value = _set(current, path[1:], text, key)
+            return _unchecked_replace(obj, "params", {**obj.params, name: value})
     if name not in names:
         raise ConfigError(_unknown_key(type(obj), name, key))
     current = getattr(obj, name)
@@ -277,11 +285,15 @@ def format_value(value: Any) -> str:
 
 
 def flatten(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
-    """``(dotted key, --set spelling)`` for every field, nested dataclasses included."""
+    """``(dotted key, --set spelling)`` for every field, nested dataclasses included; a
+    config's ``params`` as ``algorithm.field``."""
     rows = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
+        if isinstance(cfg, Config) and f.name == "params":
+            for name, params in sorted(value.items()):
+                rows += flatten(params, f"{prefix}{name}.")
+        elif dataclasses.is_dataclass(value):
             rows += flatten(value, f"{prefix}{f.name}.")
         else:
             rows.append((prefix + f.name, format_value(value)))

@@ -188,7 +188,7 @@ def onebit_section(
     base_label, entry = pair
     pair = base_label, entry.label
     base, one = by_name[pair[0]], by_name[pair[1]]
-    freeze, steps = entry.algorithm.warmup(entry.cfg), entry.cfg.steps
+    freeze, steps = entry.warmup(), entry.cfg.steps
     w = freeze / steps
     rows = [r for r in records if r["algorithm"] == pair[1]]
     warm_bytes, comp_bytes = rows[0]["bytes_sent"], rows[-1]["bytes_sent"]

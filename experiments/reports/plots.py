@@ -240,7 +240,7 @@ def plot_test_vs_samples(
         ax.plot([samples(cfg, r["step"]) for r in ev], [r["test_loss"] for r in ev], "o-",
                 color=f"C{i}", ms=3, label=name)  # fmt: skip
     if pair is not None:
-        freeze = pair[1].algorithm.warmup(pair[1].cfg)
+        freeze = pair[1].warmup()
         ax.axvline(samples(cfg, freeze), color="grey", ls=":", label="1-bit LAMB freeze step")
     unit = f" (windows of {cfg.seq_len} bytes)" if getattr(cfg, "task", None) == "lm" else ""
     ax.set_xlabel(f"training samples{unit}")

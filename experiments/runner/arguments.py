@@ -16,6 +16,7 @@ from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import load_file
 
 CONFIGS = Path(config_module.__file__).parent / "configs"
+ALGORITHMS = Path(config_module.__file__).parent / "algorithms"
 
 
 def bundled_configs() -> list[str]:
@@ -24,12 +25,25 @@ def bundled_configs() -> list[str]:
     return sorted(p.stem for p in CONFIGS.glob("*.py") if not p.name.startswith("_"))
 
 
+def bundled_algorithms() -> list[str]:
+    """The bundled algorithms' names: their modules' (`shoal.experiments.algorithms`),
+    read from the folder so that ``--help`` imports nothing."""
+    shared = {"parts", "renamed"}
+    return sorted(
+        p.stem
+        for p in ALGORITHMS.glob("*.py")
+        if not p.name.startswith("_") and p.stem not in shared
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shoal-run",
         description="Train every algorithm of a config and write runs/<name>/ "
         "(metrics.jsonl, metrics.csv, loss plots, summary.md).",
-        epilog=f"bundled configs: {', '.join(bundled_configs())}",
+        epilog=f"bundled configs: {', '.join(bundled_configs())}; algorithms: "
+        f"{', '.join(bundled_algorithms())} (each one's hyper-parameters: "
+        "experiments/algorithms/<name>.py)",
     )
     p.add_argument(
         "config",
@@ -43,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         action="extend",
         default=[],
-        help="override config fields, e.g. --set steps=500 algorithms=ssgd,gtc",
+        help="override config fields, e.g. --set steps=500 algorithms=ssgd,gtc "
+        "gtc.threshold=0.05 (an algorithm's hyper-parameter: name.field; one entry's: "
+        "algorithms=ssgd,gtc[threshold=0.05])",
     )
     p.add_argument(
         "--task",

@@ -12,9 +12,9 @@ randomness by the step, so the step and the config's seed are the whole RNG stat
 Each process saves and restores its own workers' checkpoints, in a folder of its own; what
 they are on disk (folders, commit marker, checksums) is
 `shoal.experiments.runner.checkpoint_files`. The config recorded, and compared on resume,
-is the fields the algorithm can depend on: not the fields other algorithms declare as
-their own (`shoal.experiments.algorithms.unused_fields`), so a changed ``gtc_threshold``
-does not stop ``ssgd`` from resuming.
+is the fields the algorithm can depend on: the run's and the task's, and its own
+hyper-parameters (``Config.params[name]``), not other algorithms', so a changed
+``gtc.threshold`` does not stop ``ssgd`` from resuming.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from shoal.experiments.algorithms import unused_fields
+from shoal.experiments.algorithms import ALGORITHMS, parse_entry
 from shoal.experiments.config import Config
 from shoal.experiments.overrides import flatten
 from shoal.experiments.runner.checkpoint_files import (
@@ -55,8 +55,16 @@ IGNORED_FIELDS = frozenset({"name", "algorithms", "checkpoint_every", "grad_chun
 def config_fields(cfg: Config, algorithm: str | None = None) -> dict[str, str]:
     """The fields that must match for a checkpoint of ``algorithm`` (an entry of
     ``cfg.algorithms``; None: any algorithm) to resume, in their ``--set`` spelling."""
-    skip = IGNORED_FIELDS | (unused_fields(algorithm) if algorithm is not None else set())
+    skip = _skipped(algorithm)
     return {k: v for k, v in flatten(cfg) if k.split(".")[0] not in skip}
+
+
+def _skipped(algorithm: str | None) -> frozenset[str]:
+    """The first components of the keys a checkpoint of ``algorithm`` does not compare:
+    `IGNORED_FIELDS` and every other algorithm's hyper-parameters."""
+    if algorithm is None:
+        return IGNORED_FIELDS
+    return IGNORED_FIELDS | (frozenset(ALGORITHMS) - {parse_entry(algorithm)[0]})
 
 
 def fingerprint(fields: dict[str, str]) -> str:
@@ -224,7 +232,7 @@ class Checkpointer:
             )
         old, new = saved.get("config", {}), self.meta["config"]
         # Checkpoints may list fields this run's would not: compare the ones it would list.
-        skip = IGNORED_FIELDS | unused_fields(self.meta["algorithm"])
+        skip = _skipped(self.meta["algorithm"])
         old = {k: v for k, v in old.items() if k.split(".")[0] not in skip}
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):

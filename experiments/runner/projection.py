@@ -71,7 +71,6 @@ def project_run(
         algorithm if isinstance(algorithm, algorithms.Entry) else algorithms.resolve(algorithm, cfg)
     )
     group_size = entry.group_size
-    context = algorithms.BuildContext(task=task)
     params = task.init_params()
     bounds = [0, *(s for s, _ in policy_changes), cfg.steps]
     changes: dict[str, Any] = {"workers": cluster.workers}  # the projected cluster's
@@ -80,7 +79,7 @@ def project_run(
         if i:
             changes.update(policy_changes[i - 1][1])
 
-        make = lambda comms, changes=dict(changes): entry.build(comms, context, changes)
+        make = lambda comms, changes=dict(changes): entry.build(comms, task=task, changes=changes)
 
         for events in record_events(
             make, params, workers=cluster.workers, steps=stop - start, group_size=group_size

@@ -152,12 +152,12 @@ class _Run:
             # Worker 0 is member 0 of group 0: to every group's member 0, then to its group.
             from_root = lambda p: intra.broadcast(inter.broadcast(p, 0), 0)
         self.spmd = functools.partial(backend.spmd, group_size=group_size)
-        self.context = algorithms.BuildContext(task=task, servers=backend.servers)
-        self.policy = policies.POLICIES[entry.policy] if entry.policy else None
+        self.build = functools.partial(entry.build, task=task, servers=backend.servers)
+        self.policy = entry.policy
         self.changes: dict[str, Any] = {}
         self.policy_changes: list[tuple[int, dict[str, Any]]] = []
         self.start = time.perf_counter()
-        self.tx = entry.build(self.comms, self.context)
+        self.tx = self.build(self.comms)
         self.params = self.spmd(from_root)(backend.replicate(task.init_params()))
         self.opt_state = self.spmd(self.tx.init)(self.params)
         self.sent_total = np.zeros(backend.size, np.int64)
@@ -186,7 +186,7 @@ class _Run:
         for _, decision in self.policy_changes:
             self.changes.update(decision)
         if self.changes:
-            self.tx = self.entry.build(self.comms, self.context, self.changes)
+            self.tx = self.build(self.comms, changes=self.changes)
             self.opt_state = self.spmd(self.tx.init)(self.params)
         backend = self.backend
         state = checkpoint.unpack(
@@ -234,19 +234,18 @@ class _Run:
     def consult_policy(self, step: int) -> dict[str, Any] | None:
         """The policy's decision after ``step`` (None: none asked or no change); a change
         rebuilds the transformation and keeps what the new state can use."""
-        cfg = self.cfg
-        asked = step % cfg.policy_every == 0 and cfg.policy_after <= step < cfg.steps
-        if self.policy is None or not asked:
+        if self.policy is None or step >= self.cfg.steps:
+            return None
+        params = self.entry.changed(self.changes)[1]
+        if not self.policy.due(step, params):
             return None
         root = self.backend.is_root
-        decision = (
-            self.policy.decide(self.records, self.entry.config(self.changes)) if root else None
-        )
+        decision = self.policy.decide(self.records, params) if root else None
         decision = self.backend.share(decision)
         if decision:
             self.changes.update(decision)
             self.policy_changes.append((step, dict(decision)))
-            self.tx = self.entry.build(self.comms, self.context, self.changes)
+            self.tx = self.build(self.comms, changes=self.changes)
             self.opt_state = carry_state(self.opt_state, self.spmd(self.tx.init)(self.params))
             self.step_fn = self.compile(self.tx)
         return decision

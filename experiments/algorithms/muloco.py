@@ -1,0 +1,88 @@
+"""MuLoCo (Thérien et al. 2025, "MuLoCo: Muon is a practical inner optimizer for DiLoCo"):
+DiLoCo (`shoal.optim.diloco`) whose inner optimizer is Muon on the matrices and AdamW on
+the other leaves (`optax.contrib.muon` makes that split), with the outer step Nesterov SGD
+on the average of the workers' progress every ``sync_every`` steps.
+
+Muon's update of a matrix leaf ``W`` with gradient ``G``:
+``M <- beta M + G``, ``O = NewtonSchulz5(beta M + G)`` (Nesterov), ``W <- W - lr O``; a
+leaf of any other rank takes AdamW at ``adam_learning_rate``.
+
+Example (a config entry): ``muloco[sync_every=30;inner.learning_rate=0.01]``, or for the
+whole run ``--set muloco.outer.learning_rate=0.5``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+from optax import contrib
+
+from shoal import optim
+from shoal.experiments.algorithms._registry import Context, Hyper, register
+from shoal.experiments.algorithms.parts import Exchange, OuterSGD
+from shoal.experiments.fields import ConfigError, check_field
+
+
+@dataclasses.dataclass(frozen=True)
+class Muon(Hyper):
+    """`optax.contrib.muon`'s knobs: the matrices' learning rate, momentum ``beta``,
+    Newton-Schulz iterations, decoupled weight decay (scaled by the learning rate, as
+    optax does), and AdamW's learning rate for the other leaves."""
+
+    learning_rate: float = 0.02
+    beta: float = 0.95
+    ns_steps: int = 5
+    weight_decay: float = 0.0
+    adam_learning_rate: float = 1e-3
+
+    def check(self) -> None:
+        check_field(self.learning_rate > 0, "learning_rate", "a float > 0")
+        check_field(0 <= self.beta < 1, "beta", "a float in [0, 1)")
+        check_field(self.ns_steps >= 1, "ns_steps", "an int >= 1")
+        check_field(self.weight_decay >= 0, "weight_decay", "a float >= 0")
+        check_field(self.adam_learning_rate > 0, "adam_learning_rate", "a float > 0")
+
+    def make(self) -> optax.GradientTransformation:
+        return contrib.muon(
+            self.learning_rate,
+            beta=self.beta,
+            ns_steps=self.ns_steps,
+            weight_decay=self.weight_decay,
+            adam_learning_rate=self.adam_learning_rate,
+            adam_weight_decay=self.weight_decay,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MuLoCo(Hyper):
+    """Inner steps per round H, Muon inside, the outer Nesterov SGD, and the exchange of
+    the outer gradient."""
+
+    sync_every: int = 10
+    inner: Muon = Muon()
+    outer: OuterSGD = OuterSGD()
+    exchange: Exchange = Exchange()
+
+    def check(self) -> None:
+        check_field(self.sync_every >= 1, "sync_every", "an int >= 1")
+
+    def check_run(self, run) -> None:
+        # As DiLoCo: the last step must be an outer step, so every worker holds the
+        # global model when the runner evaluates it.
+        if run.steps % self.sync_every:
+            raise ConfigError(
+                f"steps = {run.steps} must be a multiple of sync_every = {self.sync_every}, "
+                "so that the last step is an outer step"
+            )
+
+
+@register("muloco", MuLoCo, skip_in_place="apply")
+def build(p: MuLoCo, ctx: Context) -> optax.GradientTransformation:
+    return optim.diloco(
+        p.inner.make(),
+        collective=ctx.comms,
+        sync_every=p.sync_every,
+        outer=p.outer.make(),
+        exchange=p.exchange.make(),
+    )

@@ -1,0 +1,32 @@
+"""1-bit Adam (`shoal.optim.onebit_adam`; Tang et al. 2021): Adam on the all-reduced
+gradients for the warm-up stage, then the momentum through the 1-bit error-compensated
+compressed all-reduce with the frozen variance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+from shoal import optim
+from shoal.experiments.algorithms._registry import Context, register
+from shoal.experiments.algorithms.parts import OneBitFields
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBitAdam(OneBitFields):
+    """`OneBitFields`: the rate schedule, b1, b2, weight decay, and the warm-up stage."""
+
+
+# "apply": the update is the same on every worker (as 1-bit LAMB's).
+@register("onebit_adam", OneBitAdam, skip_in_place="apply")
+def build(p: OneBitAdam, ctx: Context) -> optax.GradientTransformation:
+    steps = ctx.run.steps
+    return optim.onebit_adam(
+        p.schedule(steps),
+        collective=ctx.comms,
+        freeze_step=p.frozen_at(steps),
+        b1=p.b1,
+        b2=p.b2,
+        weight_decay=p.weight_decay,
+    )
