@@ -78,9 +78,22 @@ study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/compression_pareto.py --overwrite
 	$(BIN)/shoal-run experiments/configs/compression_pareto_lm.py --overwrite
 
+# ruff; the layer contracts ([tool.importlinter] in pyproject.toml: lint-imports); and every
+# shoal.* import resolving to a file for a type checker: mypy ([tool.mypy]) reads the code
+# as an IDE does, and the target fails only on a shoal module or name it cannot resolve
+# (the code is not otherwise type-checked: mypy's other reports are not read). A missing
+# shoal module reads "Skipping analyzing" where mypy finds the editable install's shoal
+# (it has no py.typed), "Cannot find ... module named" otherwise.
+UNRESOLVED_SHOAL := (module named|Skipping analyzing) "shoal[."]|Module "shoal[."][^"]*" has no attribute
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	@out="$$($(BIN)/mypy 2>&1)" && rc=0 || rc=$$?; \
+	if [ $$rc -gt 1 ]; then echo "$$out"; exit $$rc; fi; \
+	if grep -E '$(UNRESOLVED_SHOAL)' <<< "$$out"; then \
+		echo "mypy: the shoal imports above do not resolve to a module or name"; exit 1; fi; \
+	echo "mypy: every shoal import resolves ($$(tail -1 <<< "$$out" | grep -o 'checked [0-9]* source files'))"
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info .mypy_cache .import_linter_cache
