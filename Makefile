@@ -15,7 +15,7 @@ MPI_RANKS ?= 4
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-nb test-sim-nb test-mpi notebooks bench bench-cluster study lint clean venv
+.PHONY: run test test-sim test-nb test-sim-nb test-mpi notebooks bench bench-cluster study lint wheel-check clean venv
 
 venv: $(STAMP)
 
@@ -94,6 +94,12 @@ lint: $(STAMP)
 	if grep -E '$(UNRESOLVED_SHOAL)' <<< "$$out"; then \
 		echo "mypy: the shoal imports above do not resolve to a module or name"; exit 1; fi; \
 	echo "mypy: every shoal import resolves ($$(tail -1 <<< "$$out" | grep -o 'checked [0-9]* source files'))"
+
+# Builds the sdist and, from it, the wheel, installs the wheel in a fresh venv and imports
+# every module of shoal (a minute or more, mostly installing jax; not part of `make test`):
+# tests/jobs/wheel_check.sh.
+wheel-check: $(STAMP)
+	PYTHON=$(PYTHON) bash tests/jobs/wheel_check.sh $(PY)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .mypy_cache .import_linter_cache
