@@ -15,7 +15,7 @@ MPI_RANKS ?= 4
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-nb test-sim-nb test-mpi notebooks bench bench-cluster study lint clean venv
+.PHONY: run test test-sim test-nb test-sim-nb test-mpi notebooks bench bench-cluster study lint wheel-check clean venv
 
 venv: $(STAMP)
 
@@ -78,9 +78,28 @@ study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/compression_pareto.py --overwrite
 	$(BIN)/shoal-run experiments/configs/compression_pareto_lm.py --overwrite
 
+# ruff; the layer contracts ([tool.importlinter] in pyproject.toml: lint-imports); and every
+# shoal.* import resolving to a file for a type checker: mypy ([tool.mypy]) reads the code
+# as an IDE does, and the target fails only on a shoal module or name it cannot resolve
+# (the code is not otherwise type-checked: mypy's other reports are not read). A missing
+# shoal module reads "Skipping analyzing" where mypy finds the editable install's shoal
+# (it has no py.typed), "Cannot find ... module named" otherwise.
+UNRESOLVED_SHOAL := (module named|Skipping analyzing) "shoal[."]|Module "shoal[."][^"]*" has no attribute
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	@out="$$($(BIN)/mypy 2>&1)" && rc=0 || rc=$$?; \
+	if [ $$rc -gt 1 ]; then echo "$$out"; exit $$rc; fi; \
+	if grep -E '$(UNRESOLVED_SHOAL)' <<< "$$out"; then \
+		echo "mypy: the shoal imports above do not resolve to a module or name"; exit 1; fi; \
+	echo "mypy: every shoal import resolves ($$(tail -1 <<< "$$out" | grep -o 'checked [0-9]* source files'))"
+
+# Builds the sdist and, from it, the wheel, installs the wheel in a fresh venv and imports
+# every module of shoal (a minute or more, mostly installing jax; not part of `make test`):
+# tests/jobs/wheel_check.sh.
+wheel-check: $(STAMP)
+	PYTHON=$(PYTHON) bash tests/jobs/wheel_check.sh $(PY)
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info .mypy_cache .import_linter_cache

@@ -1,8 +1,10 @@
 """shoal: communication-efficient distributed training algorithms as Optax transformations.
 
-The subpackages live in top-level folders of the repository and install as
+The subpackages live in top-level folders of the repository, linked into this folder
+(``shoal/optim -> ../optim``, ...), and import as
 ``shoal.comms`` (collectives, wire accounting), ``shoal.optim`` (the algorithms),
-``shoal.kernels`` (compression kernels) and ``shoal.experiments`` (the runner).
+``shoal.kernels`` (compression kernels), ``shoal.costmodel`` (the cost model of the
+collectives) and ``shoal.experiments`` (the runner).
 
 Example:
     >>> import shoal
@@ -16,7 +18,3 @@ try:
     __version__ = version("shoal")
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "unknown"
-
-# Run from the repository root, this folder shadows the installed `shoal`: extending the
-# package path lets `shoal.optim` and the rest resolve to the installed subpackages.
-__path__ = __import__("pkgutil").extend_path(__path__, __name__)
