@@ -7,7 +7,7 @@ options; a smoke run: ``--size 32 --workers 4 --algorithms ssgd --steps 2``)
 `sim_scale` says how much slower each algorithm's step is than local SGD's; this says
 why. Each step is built as `sim_scale` builds it (the runner's step, non-finite check
 included, jitted with its state donated, same model and batch), warmed up past
-``onebit_freeze_step`` (so 1-bit LAMB is in its compression stage), then ``--steps``
+1-bit LAMB's ``freeze_step`` (so it is in its compression stage), then ``--steps``
 consecutive steps run under ``jax.profiler``. XLA:CPU records one event per HLO
 instruction it executes; an instruction's *self* time is its event's duration minus the
 events nested in it on the same thread (a loop or a branch holds its body's). XLA runs
@@ -46,8 +46,8 @@ from sim_scale import CONFIG, Case, Program, Runner, compile_donated, fmt_params
 from shoal.experiments.overrides import load_config
 from shoal.experiments.runner import malloc
 
-DEFAULT_ALGORITHMS = "ssgd,gtc,bmuf,onebit_lamb[onebit_freeze_step=10],bfb"
-WARMUP = 12  # steps before the profile: past onebit_freeze_step = 10
+DEFAULT_ALGORITHMS = "ssgd,gtc,bmuf,onebit_lamb[freeze_step=10],bfb"
+WARMUP = 12  # steps before the profile: past onebit_lamb's freeze_step = 10
 GROUPS = (
     "matmul",
     "elementwise",

@@ -16,11 +16,12 @@ device, so the input pipeline is excluded. ``--sizes`` takes widths or parameter
 
 For every (size, N) and every algorithm of `experiments/configs/quickstart.py` (with
 ``workers = N``), the step is built exactly as the runner builds it:
-``algorithms.resolve(entry, cfg).build(comms, BuildContext(task))`` (the config's non-finite check
+``algorithms.resolve(entry, cfg).build(comms, task=task)`` (the config's non-finite check
 ``skip_nonfinite`` included; two-tier ``bmuf_gtc`` gets ``backend.two_tier(group_size)``),
 ``SimBackend(N).spmd(make_step(task.loss, tx), group_size=...)``, then jitted once more
 with the parameters and optimizer state donated. The baseline is the same model, batch and
-``make_step`` with `local_sgd` (no communication at all), vmapped over the same N workers.
+``make_step`` with S-SGD's local optimizer alone (``cfg.params["ssgd"].local``, momentum
+SGD: no communication at all), vmapped over the same N workers.
 
 Timing: each algorithm is timed interleaved with the baseline (X B B X X B ...), each rep a
 block of consecutive steps that carries the state (step counters advance) and waits for
@@ -31,12 +32,12 @@ of the baseline blocks interleaved with it. Algorithms whose cost depends on the
   steps (9 local steps, then the BMUF step; checked on the state's counters); the
   "amortised" row is the whole block per step, "local steps" the 9 local steps alone
   (timed as one segment of the block);
-* ``onebit_lamb``: the warm-up stage (dense all-reduce, LAMB) with ``onebit_freeze_step``
-  moved past every timed step, and the compression stage with ``onebit_freeze_step = 10``,
+* ``onebit_lamb``: the warm-up stage (dense all-reduce, LAMB) with its ``freeze_step``
+  moved past every timed step, and the compression stage with ``freeze_step = 10``,
   timed after an untimed warm-up beyond it (the stage of every timed step is checked on
   the state's counter);
 * ``adaptive``: its starting stage, S-SGD with the noise-scale monitor (``ssgd_noise``);
-  after the policy switches it runs ``pgx`` at ``adaptive_fraction``.
+  after the policy switches it runs ``pgx`` at adaptive's ``fraction``.
 
 GTC's decode costs what it sends (`shoal.kernels.gtc_reference`), so the report gives the
 density (elements sent over elements) of the largest worker at the end of each timed block
@@ -97,7 +98,6 @@ import numpy as np
 from run_all import cpu_model  # benchmarks/ is on sys.path when this runs as a script
 
 from shoal.experiments import algorithms
-from shoal.experiments.algorithms import BuildContext, local_sgd
 from shoal.experiments.config import ConfigError
 from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner import malloc
@@ -210,12 +210,12 @@ def programs(names: list[str], cfg) -> list[Program]:
     out = []
     for name in names:
         if name in ("bmuf", "bmuf_gtc"):
-            out.append(Program(name, name, period=cfg.block_size))
+            out.append(Program(name, name, period=cfg.params[name].block_size))
         elif name == "onebit_lamb":
             never = 10**9  # past every timed step: the warm-up stage throughout
-            entry = f"{name}[onebit_freeze_step={never}]"
+            entry = f"{name}[freeze_step={never}]"
             out.append(Program(name, entry, stage="warmup", freeze=never, steps=never + 1))
-            entry = f"{name}[onebit_freeze_step={COMPRESS_FREEZE}]"
+            entry = f"{name}[freeze_step={COMPRESS_FREEZE}]"
             out.append(Program(name, entry, stage="compression", freeze=COMPRESS_FREEZE))
         else:
             out.append(Program(name, name))
@@ -232,7 +232,7 @@ def row_labels(prog: Program, cfg) -> list[tuple[str, str]]:
     if prog.stage:
         return [(f"{prog.algorithm}:{prog.stage}", f"{prog.algorithm} {prog.stage} stage")]
     if prog.algorithm == "adaptive":
-        return [("adaptive", f"adaptive ({cfg.adaptive_sync} sync stage: ssgd_noise)")]
+        return [("adaptive", f"adaptive ({cfg.params['adaptive'].sync} sync stage: ssgd_noise)")]
     if prog.algorithm == "bfb":
         return [("bfb", "bfb (colocated)")]
     return [(prog.algorithm, prog.algorithm)]
@@ -328,9 +328,9 @@ class Case:
         return fresh((params, opt_state))
 
     def build_baseline(self):
-        """Local SGD's step (no communication) and its fresh state, as `build` does for an
-        algorithm."""
-        tx = local_sgd(self.cfg)
+        """Local SGD's step (no communication: S-SGD's local optimizer alone) and its fresh
+        state, as `build` does for an algorithm."""
+        tx = self.cfg.params["ssgd"].local.make()
         return self.backend.spmd(make_step(self.task.loss, tx)), self.state(tx)
 
     def start_baseline(self) -> None:
@@ -355,7 +355,7 @@ class Case:
             comms = self.backend.collective
         else:
             comms = self.backend.two_tier(group_size)
-        tx = entry.build(comms, BuildContext(task=self.task))
+        tx = entry.build(comms, task=self.task)
         step = self.backend.spmd(make_step(self.task.loss, tx), group_size=group_size)
         return tx, step, group_size
 
@@ -439,7 +439,7 @@ class Case:
         """The runner's S-SGD step, all workers' gradients at once vs ``k`` at a time."""
         cfg, backend = self.cfg, self.backend
         ssgd = algorithms.resolve("ssgd", cfg)
-        tx = ssgd.build(backend.collective, BuildContext(task=self.task))
+        tx = ssgd.build(backend.collective, task=self.task)
         out: dict[str, Any] = {"k": k, "case": self}
         runners = []
         for chunk in (0, k):
@@ -716,7 +716,7 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     )
     print(
         "settings (steps per timed block x reps; bmuf rows: blocks of "
-        f"{cfg.block_size}): "
+        f"{cfg.params['bmuf'].block_size}): "
         + ", ".join(f"{fmt_params(c.width)} x {c.n}: {c.block} x {c.reps}" for c in cases)
     )
     print(
@@ -766,7 +766,8 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     dense = [(key, label) for key, label in rows if any(key in c.density for c in cases)]
     if dense:
         print(
-            f"sent / elements (GTC's density; capacity {cfg.gtc_capacity} of the elements), "
+            f"sent / elements (GTC's density; capacity {cfg.params['gtc'].capacity} of the "
+            "elements), "
             "the largest worker's at the end of each timed block, median (range): "
             + "; ".join(
                 f"{label.split(' (')[0]}: "
@@ -782,8 +783,8 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     if "adaptive" in names:
         print(
             f"adaptive starts as S-SGD with the noise-scale monitor; once the policy switches "
-            f"it runs pgx at adaptive_fraction = {cfg.adaptive_fraction} (the pgx row: "
-            f"pgx_fraction = {cfg.pgx_fraction})."
+            f"it runs pgx at adaptive.fraction = {cfg.params['adaptive'].fraction} (the pgx "
+            f"row: pgx.fraction = {cfg.params['pgx'].fraction})."
         )
         print()
 

@@ -6,6 +6,7 @@ bytes, reports and plots, the cost-model projection)::
     shoal-run examples/own_model.py --workers 4 --set steps=30 --out runs/own
     mpiexec -n 2 shoal-run examples/own_model.py --backend mpi --set steps=30
     shoal-run examples/own_model.py --set width=128 depth=4 algorithms=diloco
+    shoal-run examples/own_model.py --set steps=40 diloco.sync_every=20 muloco.sync_every=20
 
 A config file that defines ``get_task(config)`` trains on what it returns: an object with
 ``init_params()``, ``loss(params, x, y)``, ``batch(step, workers)`` and
@@ -18,6 +19,10 @@ The data: token sequences from a seeded Markov chain over ``VOCAB`` tokens in wh
 token is followed by one of ``SUCCESSORS`` likely tokens (so a model can learn it: the
 loss falls from ln 64 = 4.16 towards the chain's entropy, printed as ``entropy`` in the
 report's data section), split into training and held-out test sequences.
+
+The algorithms: S-SGD, DiLoCo (AdamW inside) and MuLoCo (Muon inside), the last two
+syncing every ``SYNC_EVERY`` steps; each one's hyper-parameters are in ``params``
+(``--set diloco.sync_every=...`` changes one for a run).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from shoal.experiments.config import Config
 
 VOCAB = 64
 SUCCESSORS = 4
+# DiLoCo's and MuLoCo's inner steps per outer step; steps must be a multiple of it.
+SYNC_EVERY = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +168,19 @@ def get_task(cfg: OwnConfig) -> OwnTask:
 def get_config() -> OwnConfig:
     return OwnConfig(
         name="own_model",
-        algorithms=("ssgd", "diloco"),
+        algorithms=("ssgd", "diloco", "muloco"),
         workers=4,
-        steps=60,
+        steps=60,  # a multiple of SYNC_EVERY: DiLoCo and MuLoCo end on an outer step
         batch_size=16,
         train_size=4096,
         test_size=512,
         eval_every=10,
-        learning_rate=0.1,
-        diloco_inner_lr=3e-3,
+        # S-SGD: momentum SGD at 0.1. DiLoCo: AdamW at 3e-3 inside; MuLoCo: Muon on the
+        # matrices inside (its default 0.02), AdamW at 3e-3 on the other leaves; both the
+        # outer Nesterov SGD (0.7, 0.9) every SYNC_EVERY steps.
+        params={
+            "ssgd": {"local": {"learning_rate": 0.1}},
+            "diloco": {"sync_every": SYNC_EVERY, "inner": {"adamw": {"learning_rate": 3e-3}}},
+            "muloco": {"sync_every": SYNC_EVERY, "inner": {"adam_learning_rate": 3e-3}},
+        },
     )

@@ -73,7 +73,7 @@ def from_mapping(cls: type, values: Mapping[str, Any], name: str = "") -> Any:
         if key not in names:
             where = f"{name}." if name else ""
             raise ConfigError(
-                f"unknown config key {where}{key!r}; {cls.__name__} has: {', '.join(names)}"
+                f"unknown config key {where + key!r}; {cls.__name__} has: {', '.join(names)}"
             )
     return cls(**values)
 

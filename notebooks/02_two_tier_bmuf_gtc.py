@@ -116,7 +116,8 @@ for label, r in runs.items():
 bmuf_losses = [rec["loss"] for rec in runs["BMUF"].records]
 assert bmuf_losses == [rec["loss"] for rec in runs[1].records]
 
-capacity_words = max(1, round(cfg.gtc_capacity * n_params))
+two_tier_params = cfg.params["bmuf_gtc"]  # GTC's capacity, BMUF's block size
+capacity_words = max(1, round(two_tier_params.capacity * n_params))
 
 
 def predicted_bytes(p):
@@ -125,7 +126,7 @@ def predicted_bytes(p):
     # and every step the non-finite flag (one int32), summed in the group, then across
     lower += 2 * (p - 1) * 4 // p + 2 * (m - 1) * 4 // m
     upper = 2 * (m - 1) * 4 * n_params // m  # every block_size-th step
-    return steps * lower, steps // cfg.block_size * upper
+    return steps * lower, steps // two_tier_params.block_size * upper
 
 
 for p in GROUP_SIZES:
@@ -147,7 +148,7 @@ for i, method in enumerate(BASELINES):
 ax0.set(xlabel="group size P", ylabel="test error (%)")
 ax0.set_xticks(range(len(P)), [f"{p}\n(M={WORKERS // p})" for p in P])
 ax0.legend(fontsize=8)
-ax0.set_title(f"{WORKERS} workers, block size {cfg.block_size}", fontsize=10)
+ax0.set_title(f"{WORKERS} workers, block size {two_tier_params.block_size}", fontsize=10)
 
 parts = np.array([predicted_bytes(p) for p in GROUP_SIZES]) / 1e6
 ax1.bar(range(len(P)), parts[:, 0], label="GTC inside groups (every step)")

@@ -24,9 +24,9 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
+from shoal.experiments.algorithms.adaptive import noise_scale_switch
 from shoal.experiments.overrides import load_config
 from shoal.experiments.runner.backends import SimBackend
-from shoal.experiments.runner.policies import noise_scale_switch
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task
 from shoal.optim import peer_permutation, pgx_partition
@@ -35,13 +35,15 @@ SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer workers and s
 WORKERS = 4 if SMALL else 8
 STEPS = 60 if SMALL else 300
 cfg = load_config("kungfu")  # a CNN on generated 16x16 glyph images
+# The adaptive algorithm's own hyper-parameters: its policy may act from step STEPS // 3.
+adaptive = dataclasses.replace(cfg.params["adaptive"], after=STEPS // 3)
 cfg = dataclasses.replace(
     cfg,
     workers=WORKERS,
     steps=STEPS,
     eval_every=STEPS // 6,
-    policy_after=STEPS // 3,
     train_size=4096 if SMALL else cfg.train_size,
+    params={**cfg.params, "adaptive": adaptive},
 )
 task = make_task(cfg)
 params = task.init_params()
@@ -118,34 +120,35 @@ plt.show()
 # All algorithms train the same CNN from the same start on the same batches with the same
 # local SGD (`shoal.experiments.runner.train.train`). S-SGD runs as `ssgd_noise`, which also logs
 # the noise scale $B_\text{simple} = \mathrm{tr}(\Sigma)/|G|^2$ (one scalar more on the
-# wire). The adaptive run asks its policy every `policy_every` steps from `policy_after` on
-# whether the median noise scale of the last steps passed the threshold; the step where it
-# switched is logged in the records (`"policy"`). The full config's threshold (150) comes
-# from an S-SGD run of it; the SMALL run is too short for that, so there we take the median
-# estimate after `policy_after` of the S-SGD run. Until it switches, the adaptive run is
-# that S-SGD run, bit for bit.
+# wire). The adaptive run asks its policy every `every` steps from `after` on (its own
+# hyper-parameters, `cfg.params["adaptive"]`) whether the median noise scale of the last
+# steps passed its `threshold`; the step where it switched is logged in the records
+# (`"policy"`). The full config's threshold (150) comes from an S-SGD run of it; the SMALL
+# run is too short for that, so there we take the median estimate after `after` of the
+# S-SGD run. Until it switches, the adaptive run is that S-SGD run, bit for bit.
 
 # %%
 backend = SimBackend(WORKERS)
 runs = {"ssgd_noise": train(cfg, task, backend, "ssgd_noise", progress=False)}
 if SMALL:
-    late = [r["noise_scale"] for r in runs["ssgd_noise"].records[cfg.policy_after :]]
-    cfg = dataclasses.replace(cfg, noise_threshold=float(np.median(late)))
+    late = [r["noise_scale"] for r in runs["ssgd_noise"].records[adaptive.after :]]
+    adaptive = dataclasses.replace(adaptive, threshold=float(np.median(late)))
+    cfg = dataclasses.replace(cfg, params={**cfg.params, "adaptive": adaptive})
 # When would the policy switch, judged on the S-SGD records?
-asks = range(cfg.policy_every, STEPS, cfg.policy_every)
+asks = range(adaptive.every, STEPS, adaptive.every)
 records = runs["ssgd_noise"].records
 predicted = next(
-    (s for s in asks if s >= cfg.policy_after and noise_scale_switch(records[:s], cfg)), None
+    (s for s in asks if s >= adaptive.after and noise_scale_switch(records[:s], adaptive)), None
 )
-print(f"noise threshold {cfg.noise_threshold:.0f}; switch predicted at step {predicted}")
+print(f"noise threshold {adaptive.threshold:.0f}; switch predicted at step {predicted}")
 
-algorithms = ["pgx[pgx_fraction=0.3]", "peer[peer_strategy=round_robin]", "adaptive"]
+algorithms = ["pgx[fraction=0.3]", "peer[strategy=round_robin]", "adaptive"]
 if not SMALL:
     algorithms = [
-        "pgx[pgx_fraction=0.3]",
-        "pgx[pgx_fraction=0.1]",
-        "peer[peer_strategy=round_robin]",
-        "peer[peer_strategy=random]",
+        "pgx[fraction=0.3]",
+        "pgx[fraction=0.1]",
+        "peer[strategy=round_robin]",
+        "peer[strategy=random]",
         "sma",
         "adaptive",
     ]
@@ -187,8 +190,8 @@ ax = axes[1, 0]
 for entry, style in (("ssgd_noise", "-"), ("adaptive", "--")):
     ns = [x.get("noise_scale", np.nan) for x in runs[entry].records]
     ax.plot(steps, ns, style, lw=1, label=entry)
-ax.axhline(cfg.noise_threshold, color="k", ls=":", lw=1, label="threshold")
-ax.axvspan(0, cfg.policy_after, color="gray", alpha=0.15, label="policy not asked")
+ax.axhline(adaptive.threshold, color="k", ls=":", lw=1, label="threshold")
+ax.axvspan(0, adaptive.after, color="gray", alpha=0.15, label="policy not asked")
 for s in switched:
     ax.axvline(s, color="C3", lw=1.5, label=f"switch at step {s}")
 ax.set(
@@ -200,7 +203,7 @@ ax.set(
 ax.legend(fontsize=7)
 
 ax = axes[1, 1]
-for entry in ("ssgd_noise", "adaptive", "pgx[pgx_fraction=0.3]"):
+for entry in ("ssgd_noise", "adaptive", "pgx[fraction=0.3]"):
     ax.plot(steps, [x["bytes_sent"] / 1e3 for x in runs[entry].records], lw=1, label=entry)
 ax.set(xlabel="step", ylabel="kB sent per worker", title="bytes per step")
 ax.legend(fontsize=7)

@@ -27,7 +27,7 @@ SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer sizes and ste
 PRESET = "v100-nvlink-25gbps"
 SIZES = [8, 64] if SMALL else [8, 16, 32, 64, 128, 256, 512]
 STEPS = 20 if SMALL else 100
-cfg = load_config(os.path.join(os.path.dirname(algorithms.__file__), "configs", "quickstart.py"))
+cfg = load_config("quickstart")
 cfg = cfg.__class__(**{**cfg.__dict__, "steps": STEPS})
 task = make_task(cfg)
 params = task.init_params()
@@ -47,9 +47,8 @@ from shoal.costmodel import Event
 def events_of(name, workers):
     entry = algorithms.resolve(name, cfg.__class__(**{**cfg.__dict__, "workers": workers}))
     group = entry.group_size
-    ctx = algorithms.BuildContext(task=task)
     steps = record_events(
-        lambda c: entry.build(c, ctx),
+        lambda c: entry.build(c, task=task),
         params,
         workers=workers,
         steps=STEPS,

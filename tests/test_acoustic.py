@@ -26,7 +26,9 @@ K, F = 6, 3
 TINY = Config(
     task="hmm", num_classes=K, num_features=F, class_sep=1.0, seq_len=8, hmm_successors=2,
     train_size=64, test_size=32, hidden=(16,), batch_size=4, workers=2, steps=8,
-    eval_every=4, learning_rate=0.1, momentum=0.9, block_size=2, group_size=2,
+    eval_every=4,
+    params={"ssgd": {"local": {"learning_rate": 0.1, "momentum": 0.9}}, "bmuf": {"block_size": 2},
+            "bmuf_gtc": {"block_size": 2, "group_size": 2}},
 )  # fmt: skip
 
 
@@ -139,7 +141,7 @@ from shoal.experiments.runner.study import Row, Study, Table
 def get_config():
     # The driver does not care about the task: the MLP compiles faster than the LSTM.
     cfg = Config(name="tiny_study", train_size=32, test_size=16, num_features=4, hidden=(8,),
-                 workers=2, batch_size=4, block_size=2)
+                 workers=2, batch_size=4, params={"bmuf": {"block_size": 2}})
     t1 = Table("T1", ("method", "workers"), [Row(("SSGD", "2"), 2, "ssgd"),
                                               Row(("BMUF", "4"), 4, "bmuf")])
     t2 = Table("T2", ("method",), [Row(("BMUF",), 4, "bmuf")], note="a note")
@@ -183,7 +185,7 @@ def test_study_errors(study_file, capsys):
     assert main([str(study_file), "--set", "steps=3"]) == 2
     assert "cannot --set steps=3" in capsys.readouterr().err
     # The shared config's overrides are checked against every run before training.
-    assert main([str(study_file), "--set", "block_size=3"]) == 2
+    assert main([str(study_file), "--set", "bmuf.block_size=3"]) == 2
     assert "multiple of block_size = 3" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="not a multiple of workers"):
         load_file(study_file).run_config(Row(("x",), 3, "ssgd"))

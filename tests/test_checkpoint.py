@@ -34,11 +34,15 @@ from shoal.experiments.tasks import make_task
 solo = pytest.mark.skipif(UNDER_MPI, reason="the runner tests start their own MPI")
 
 ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "sma",
-              "adaptive", "diloco", "streaming_diloco", "topk", "powersgd", "demo")  # fmt: skip
+              "adaptive", "diloco", "muloco", "streaming_diloco", "topk", "powersgd",
+              "demo")  # fmt: skip
 STEPS, HALF = 8, 4
-SETS = [f"steps={STEPS}", "eval_every=4", "block_size=4", "group_size=2", "policy_every=2",
-        "policy_after=0", "noise_threshold=0", "project_workers=0", "diloco_sync_every=4",
-        "diloco_exchange=fp4", "streaming_fragments=2", "streaming_overlap=1"]  # fmt: skip
+SETS = [f"steps={STEPS}", "eval_every=4", "bmuf.block_size=4", "bmuf_gtc.block_size=4",
+        "bmuf_gtc.group_size=2", "adaptive.every=2", "adaptive.after=0", "adaptive.threshold=0",
+        "project_workers=0", "diloco.sync_every=4", "muloco.sync_every=4",
+        "streaming_diloco.sync_every=4", "diloco.exchange.codec=fp4",
+        "streaming_diloco.exchange.codec=fp4", "streaming_diloco.fragments=2",
+        "streaming_diloco.overlap=1"]  # fmt: skip
 WALL = ("time_s", "wall_s")
 
 
@@ -269,9 +273,11 @@ def test_incompatible_resume_is_refused(tmp_path, capsys):
     assert err.count("\n") == 0, err
     assert err.startswith("shoal-run: error: cannot resume ssgd with 2 workers")
     assert "has 4" in err
-    assert run(tmp_path, "--resume", "--set", "learning_rate=0.1", algorithms=("ssgd",)) == 2
+    argv = ["--resume", "--set", "ssgd.local.learning_rate=0.1"]
+    assert run(tmp_path, *argv, algorithms=("ssgd",)) == 2
     err = capsys.readouterr().err.strip()
-    assert "config field 'learning_rate' is 0.1 now but 0.05" in err and "\n" not in err
+    assert "config field 'ssgd.local.learning_rate' is 0.1 now but 0.05" in err
+    assert "\n" not in err
 
 
 @solo
@@ -375,23 +381,25 @@ def test_every_process_resumes_from_the_newest_step_all_hold(tmp_path, capsys):
 
 @solo
 def test_other_algorithms_fields_do_not_block_resume(tmp_path, capsys):
-    """Only the fields an algorithm depends on must match: gtc_threshold is gtc's own, so
+    """Only the fields an algorithm depends on must match: gtc.threshold is gtc's own, so
     ssgd resumes under another one, and gtc does not."""
-    argv = ["--stop-after", "6", "--set", "checkpoint_every=2", "gtc_threshold=0.1"]
+    argv = ["--stop-after", "6", "--set", "checkpoint_every=2", "gtc.threshold=0.1"]
     assert run(tmp_path, *argv, algorithms=("ssgd", "gtc")) == 0  # ssgd stopped at 6
     capsys.readouterr()
-    other = ["--resume", "--stop-after", "4", "--set", "gtc_threshold=0.2"]
+    other = ["--resume", "--stop-after", "4", "--set", "gtc.threshold=0.2"]
     assert run(tmp_path, *other, algorithms=("ssgd", "gtc")) == 0
     assert f"stopped gtc at step 2 of {STEPS}" in capsys.readouterr().out
     folder = tmp_path / "checkpoints"
     config = lambda algo, step: meta_of(folder / algo / "rank_0" / f"step_{step}")["config"]
-    assert "gtc_threshold" not in config("ssgd", STEPS) and "learning_rate" in config("ssgd", STEPS)
-    assert config("gtc", 2)["gtc_threshold"] == "0.2"
-    # gtc stopped at step 2 under gtc_threshold=0.2: 0.1 now is refused, naming the field.
-    assert run(tmp_path, "--resume", "--set", "gtc_threshold=0.1",
+    ssgd_config = config("ssgd", STEPS)
+    assert not any(k.startswith("gtc.") for k in ssgd_config)
+    assert "ssgd.local.learning_rate" in ssgd_config
+    assert config("gtc", 2)["gtc.threshold"] == "0.2"
+    # gtc stopped at step 2 under gtc.threshold=0.2: 0.1 now is refused, naming the field.
+    assert run(tmp_path, "--resume", "--set", "gtc.threshold=0.1",
                algorithms=("ssgd", "gtc")) == 2  # fmt: skip
     err = capsys.readouterr().err.strip()
-    assert err.startswith("shoal-run: error: cannot resume gtc: config field 'gtc_threshold'")
+    assert err.startswith("shoal-run: error: cannot resume gtc: config field 'gtc.threshold'")
     assert "is 0.1 now but 0.2" in err and "\n" not in err
 
 
@@ -400,10 +408,23 @@ def test_old_checkpoint_listing_every_field_resumes(tmp_path, capsys):
     """A checkpoint written when every field was recorded still resumes ssgd after a
     change to another algorithm's field."""
     folder = _stopped_at_6(tmp_path)
-    edit_meta(folder / "step_6", lambda m: m["config"].update(gtc_capacity="0.5"))
+    edit_meta(folder / "step_6", lambda m: m["config"].update({"gtc.capacity": "0.5"}))
     capsys.readouterr()
     assert run(tmp_path, "--resume", algorithms=("ssgd",)) == 0
     assert records(tmp_path / "metrics.jsonl")[-1]["step"] == STEPS
+
+
+@solo
+def test_checkpoint_with_flat_algorithm_fields_is_refused_by_name(tmp_path, capsys):
+    """A checkpoint of the flat-field era (``learning_rate`` for every algorithm) is
+    refused in one line that says why, not as a field that changed from 0.05 to None."""
+    folder = _stopped_at_6(tmp_path)
+    edit_meta(folder / "step_6", lambda m: m["config"].update({"learning_rate": "0.05"}))
+    capsys.readouterr()
+    assert run(tmp_path, "--resume", algorithms=("ssgd",)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "written by an older shoal, with flat algorithm fields (learning_rate" in err
+    assert "--overwrite" in err and "\n" not in err
 
 
 @solo

@@ -23,16 +23,21 @@ CASES = {
     "malformed --set": (["--set", "steps"], ["key=value", "'steps'"]),
     "wrong type int": (["--set", "steps=abc"], ["steps", "'abc'", "int"]),
     "wrong type float in entry": (
-        ["--set", "algorithms=gtc[gtc_threshold=abc]"],
-        ["gtc_threshold", "'abc'", "float"],
+        ["--set", "algorithms=gtc[threshold=abc]"],
+        ["threshold", "'abc'", "float"],
     ),
-    "wrong type bool": (["--set", "nesterov=maybe"], ["nesterov", "'maybe'"]),
+    "wrong type bool": (["--set", "bmuf.nesterov=maybe"], ["bmuf.nesterov", "'maybe'"]),
     "not a choice": (["--set", "task=foo"], ["task", "'foo'", "mixture"]),
     "invalid value": (["--set", "steps=0"], ["steps=0", "'steps'", ">= 1"]),
-    "invalid float range": (["--set", "gtc_capacity=2"], ["gtc_capacity", "(0, 1]"]),
+    "invalid float range": (["--set", "gtc.capacity=2"], ["'gtc'", "capacity", "(0, 1]"]),
+    "old flat key": (["--set", "gtc_threshold=0.2"], ["'gtc_threshold'", "gtc.threshold"]),
+    "old flat key in entry": (
+        ["--set", "algorithms=gtc[gtc_threshold=0.2]"],
+        ["'gtc_threshold'", "gtc[threshold=...]"],
+    ),
     "unknown algorithm": (["--set", "algorithms=nope"], ["'nope'", "registered"]),
     "group_size does not divide workers": (
-        ["--set", "algorithms=bmuf_gtc", "group_size=3", "--workers", "4"],
+        ["--set", "algorithms=bmuf_gtc", "bmuf_gtc.group_size=3", "--workers", "4"],
         ["bmuf_gtc", "group_size = 3", "workers 4"],
     ),
     "entry group_size does not divide workers": (

@@ -62,9 +62,15 @@ FILE_CASES = {
     "str for tuple": ("algorithms='ssgd'", ["'algorithms'", "tuple", "str 'ssgd'"]),
     "bad tuple item": ("hidden=[8, 'x']", ["'hidden'", "of int", "[8, 'x']"]),
     "not a choice": ("nonfinite='never'", ["'nonfinite'", "'skip'", "str 'never'"]),
-    "int for bool": ("nesterov=1", ["'nesterov'", "a bool", "int 1"]),
-    "str for float": ("learning_rate='0.1'", ["'learning_rate'", "float", "str '0.1'"]),
-    "float for optional int": ("onebit_freeze_step=2.0", ["'onebit_freeze_step'", "or None"]),
+    "int for bool": ("params={'bmuf': {'nesterov': 1}}", ["'nesterov'", "a bool", "int 1"]),
+    "str for float": (
+        "params={'ssgd': {'local': {'learning_rate': '0.1'}}}",
+        ["'learning_rate'", "float", "str '0.1'"],
+    ),
+    "float for optional int": (
+        "params={'onebit_lamb': {'freeze_step': 2.0}}",
+        ["'freeze_step'", "or None"],
+    ),
 }
 
 
@@ -78,14 +84,20 @@ def test_config_file_types_are_checked_in_one_line(name, tmp_path, capsys):
 
 
 def test_types_are_converted_as_annotated():
-    cfg = Config(algorithms=["ssgd", "gtc"], hidden=[8, 4], learning_rate=1, seed=np.int64(3))
+    cfg = Config(
+        algorithms=["ssgd", "gtc"],
+        hidden=[8, 4],
+        params={"ssgd": {"local": {"learning_rate": 1}}},
+        seed=np.int64(3),
+    )
     assert cfg.algorithms == ("ssgd", "gtc") and cfg.hidden == (8, 4)
-    assert type(cfg.learning_rate) is float and cfg.learning_rate == 1.0
+    rate = cfg.params["ssgd"].local.learning_rate
+    assert type(rate) is float and rate == 1.0
     assert type(cfg.seed) is int
     # Literal: the value's type must match too (True == 1, but is not a bit width).
-    with pytest.raises(ConfigError, match="'topk_value_bits' must be one of"):
-        Config(topk_value_bits=True)
-    assert Config(block_momentum=None).block_momentum is None
+    with pytest.raises(ConfigError, match="'value_bits' must be one of"):
+        Config(params={"topk": {"value_bits": True}})
+    assert Config(params={"bmuf": {"block_momentum": None}}).params["bmuf"].block_momentum is None
     with pytest.raises(ConfigError, match="'steps' must be an int, got str '10'"):
         dataclasses.replace(Config(), steps="10")
 
@@ -135,22 +147,39 @@ def test_other_type_errors_of_a_config_file_keep_their_traceback(tmp_path):
 # ------------------------------------------------------------------ 2. finite floats
 
 
+def nested(key: str, value) -> dict:
+    """``"ssgd.local.learning_rate"`` -> ``{"ssgd": {"local": {"learning_rate": value}}}``."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
 @pytest.mark.parametrize(
-    "field", ["learning_rate", "diloco_inner_lr", "demo_lr", "weight_decay", "noise_threshold"]
+    "key",
+    [
+        "ssgd.local.learning_rate",
+        "diloco.inner.adamw.learning_rate",
+        "demo.learning_rate",
+        "lamb.weight_decay",
+        "diloco.inner.adamw.weight_decay",
+        "adaptive.threshold",
+    ],
 )
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
-def test_non_finite_floats_are_refused(field, value, capsys, tmp_path):
-    code, out, err = run_main([QUICKSTART, "--set", f"{field}={value}",
+def test_non_finite_floats_are_refused(key, value, capsys, tmp_path):
+    field = key.split(".")[-1]
+    code, out, err = run_main([QUICKSTART, "--set", f"{key}={value}",
                                "--out", str(tmp_path / "run")], capsys)  # fmt: skip
-    assert_one_line_error(code, out, err, [f"'{field}'", "finite"])
+    assert_one_line_error(code, out, err, [f"{key}={value}", f"'{field}'", "finite"])
     with pytest.raises(ConfigError, match=f"'{field}' must be a finite float"):
-        Config(**{field: float(value)})
+        Config(params=nested(key, float(value)))
 
 
 def test_non_finite_optional_float_is_refused_none_is_not():
     with pytest.raises(ConfigError, match="'block_momentum' must be a finite float or None"):
-        Config(block_momentum=float("nan"))
-    assert apply_overrides(Config(), ["block_momentum=none"]).block_momentum is None
+        Config(params={"bmuf": {"block_momentum": float("nan")}})
+    cfg = apply_overrides(Config(), ["bmuf.block_momentum=none"])
+    assert cfg.params["bmuf"].block_momentum is None
 
 
 # ------------------------------------------------------------------ 3. seeds

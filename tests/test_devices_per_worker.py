@@ -28,7 +28,6 @@ from harness import QUICKSTART, mpiexec, read_jsonl
 
 from shoal.comms import compressed_allreduce_bytes
 from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
-from shoal.experiments import algorithms
 from shoal.experiments.overrides import apply_overrides, load_file
 from shoal.experiments.runner.cli import main
 from shoal.experiments.tasks import make_task
@@ -42,8 +41,9 @@ ELEMENTWISE = ("ssgd", "bmuf", "sma", "peer")  # bytes: the model's pieces and t
 
 
 def settings(names: tuple[str, ...], steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
-    return [f"steps={steps}", "eval_every=5", "algorithms=" + ",".join(names), "group_size=2",
-            "block_size=4", "project_workers=0", *extra]  # fmt: skip
+    return [f"steps={steps}", "eval_every=5", "algorithms=" + ",".join(names),
+            "bmuf_gtc.group_size=2", "bmuf.block_size=4", "bmuf_gtc.block_size=4",
+            "project_workers=0", *extra]  # fmt: skip
 
 
 def jax_run(
@@ -96,7 +96,7 @@ def check_same_training(tmp_path, names, workers, k, processes, devices=8, steps
     assert list(dist) == list(sim) == list(names)
 
     cfg = apply_overrides(load_file(str(QUICKSTART)), settings(names, steps, extra))
-    freeze = algorithms.freeze_step(cfg)
+    freeze = cfg.params["onebit_lamb"].frozen_at(cfg.steps)
     n, padded = model_sizes(k)
     piece = padded // k  # one device's elements
     flag = all_reduce_bytes(4, workers)[0]  # each device's non-finite flag, every step
@@ -124,7 +124,7 @@ def check_same_training(tmp_path, names, workers, k, processes, devices=8, steps
             expected = [k * (moves[b - flag] + flag) for b in sim_sent[part]]
             np.testing.assert_array_equal(sent[part], expected, err_msg=name)
         if name == "gtc":
-            cap = resolve_capacity(cfg.gtc_capacity, piece)  # words per device
+            cap = resolve_capacity(cfg.params["gtc"].capacity, piece)  # words per device
             per_device = all_gather_bytes(4 * (cap + 1), workers)[0] + flag
             np.testing.assert_array_equal(sent, k * per_device)
             # The same elements sent, as a fraction of the padded pieces.

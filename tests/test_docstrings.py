@@ -127,12 +127,23 @@ def test_comms_kernels_docstring_example_runs(module_name, name):
         assert result.attempted > 0
 
 
-@pytest.mark.parametrize("module", ["shoal.checks", "shoal.experiments.config"])
-def test_module_docstring_examples_run(module):
+@pytest.mark.parametrize(
+    ("module", "examples"),
+    [
+        ("shoal.checks", 2),
+        ("shoal.experiments.config", 2),
+        # Where an algorithm's hyper-parameters live, and how a new one is written.
+        ("shoal.experiments.algorithms", 2),
+        ("shoal.experiments.algorithms._registry", 2),
+        ("shoal.experiments.algorithms.parts", 2),
+        ("shoal.experiments.algorithms.renamed", 1),
+    ],
+)
+def test_module_docstring_examples_run(module, examples):
     # What a newcomer reads first: help(Config), and the check every layer shares.
     import importlib
 
     result = doctest.testmod(
         importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
     )
-    assert result.failed == 0 and result.attempted >= 2
+    assert result.failed == 0 and result.attempted >= examples

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.experiments.runner.arguments import bundled_configs
+from shoal.experiments.runner.arguments import bundled_algorithms, bundled_configs
 
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
 
@@ -32,6 +32,13 @@ def test_console_script_help():
     assert proc.stdout.startswith("usage: shoal-run"), proc.stdout
     assert f"bundled configs: {', '.join(bundled_configs())}" in _words(proc.stdout)
     assert proc.stderr == ""
+
+
+def test_help_lists_the_registered_algorithms():
+    # Read from the algorithms' module names (no import): one module per algorithm.
+    from shoal.experiments.algorithms import ALGORITHMS
+
+    assert bundled_algorithms() == sorted(ALGORITHMS)
 
 
 def test_help_imports_no_jax():

@@ -137,7 +137,8 @@ class Linear(nn.Module):
 def fit(task: ImageTask, model: nn.Module, steps: int) -> float:
     """Test accuracy after ``steps`` of SGD with momentum on the task's batches."""
     params = jax.jit(model.init)(jax.random.key(0), task.x_test[:1])["params"]
-    tx = optax.sgd(CFG.learning_rate, momentum=CFG.momentum)
+    local = CFG.params["ssgd"].local  # the runner's local optimizer
+    tx = optax.sgd(local.learning_rate, momentum=local.momentum)
 
     def loss(p, x, y):
         logits = model.apply({"params": p}, x)

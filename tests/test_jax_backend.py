@@ -24,8 +24,8 @@ STEPS = 12
 # Sparse, two-tier and partial (S-SGD and the dense exchanges: test_devices_per_worker.py).
 ALGORITHMS = ("gtc", "bmuf_gtc", "pgx")
 SMALL = ["--workers", str(WORKERS), "--no-progress", "--set", f"steps={STEPS}", "eval_every=5",
-         "algorithms=" + ",".join(ALGORITHMS), "group_size=2", "block_size=4",
-         "project_workers=0"]  # fmt: skip
+         "algorithms=" + ",".join(ALGORITHMS), "bmuf_gtc.group_size=2",
+         "bmuf_gtc.block_size=4", "project_workers=0"]  # fmt: skip
 
 
 def launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@ wire bytes against hand counts, identical warm-up, the summary's volume-reductio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,9 @@ WORKERS, STEPS, FREEZE = 4, 8, 3
 TINY = Config(
     name="lm_tiny", task="lm", algorithms=("lamb", "onebit_lamb"), workers=WORKERS,
     steps=STEPS, batch_size=2, seq_len=16, train_size=256, test_size=32, eval_every=4,
-    lm_width=32, lm_layers=1, lm_heads=2, lamb_learning_rate=0.02, onebit_freeze_step=FREEZE,
+    lm_width=32, lm_layers=1, lm_heads=2,
+    params={"lamb": {"learning_rate": 0.02},
+            "onebit_lamb": {"learning_rate": 0.02, "freeze_step": FREEZE}},
 )  # fmt: skip
 
 
@@ -83,7 +86,9 @@ def test_batches_and_loss_at_init():
 def lm_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lm")
     cfg = tmp_path_factory.mktemp("cfg") / "lm_tiny.py"
-    fields = ", ".join(f"{k}={v!r}" for k, v in TINY.__dict__.items())
+    # The algorithms' hyper-parameters as dicts of their fields: a config file's spelling.
+    values = {**TINY.__dict__, "params": {n: dataclasses.asdict(p) for n, p in TINY.params.items()}}
+    fields = ", ".join(f"{k}={v!r}" for k, v in values.items())
     cfg.write_text(
         f"from shoal.experiments.config import Config\n\ndef get_config():\n"
         f"    return Config({fields})\n"
@@ -147,9 +152,10 @@ def test_volume_formula_and_freeze_step():
     assert volume_reduction(0.0, 32) == pytest.approx(32.0)
     assert volume_reduction(1.0, 32) == pytest.approx(1.0)
     assert volume_reduction(0.15, 16) == pytest.approx(1 / (0.15 + 0.85 / 16))
-    assert algorithms.freeze_step(Config(steps=200, onebit_freeze_fraction=0.15)) == 30
-    assert algorithms.freeze_step(Config(steps=200, onebit_freeze_step=7)) == 7
+    freeze = lambda p: algorithms.resolve("onebit_lamb", Config(steps=200, params=p)).warmup()
+    assert freeze({"onebit_lamb": {"freeze_fraction": 0.15}}) == 30
+    assert freeze({"onebit_lamb": {"freeze_step": 7}}) == 7
     with pytest.raises(ConfigError, match="freeze step 200 must be less than steps"):
-        algorithms.resolve("onebit_lamb", Config(steps=200, onebit_freeze_step=200))
+        freeze({"onebit_lamb": {"freeze_step": 200}})
     with pytest.raises(ConfigError, match="lm_heads"):
         Config(lm_width=30, lm_heads=4)

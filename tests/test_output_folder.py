@@ -158,18 +158,18 @@ def test_an_unreadable_newest_checkpoint_does_not_hide_a_changed_field(tmp_path,
     meta = out / "checkpoints" / "ssgd" / "rank_0" / "step_25" / "meta" / "meta.json"
     os.truncate(meta, 100)
     capsys.readouterr()
-    assert main([*args, "--set", "learning_rate=0.1", "--resume"]) == 2
+    assert main([*args, "--set", "ssgd.local.learning_rate=0.1", "--resume"]) == 2
     (line,) = errors(capsys.readouterr().err)
-    assert "'learning_rate' is 0.1 now but 0.05" in line and "step_20" in line
+    assert "'ssgd.local.learning_rate' is 0.1 now but 0.05" in line and "step_20" in line
 
 
 def test_a_label_too_long_for_a_file_name_is_refused_before_training(tmp_path, capsys):
     threshold = "0." + "0" * 300 + "1"
-    sets = ["--set", "steps=5", f"algorithms=ssgd,gtc[gtc_threshold={threshold}]"]
+    sets = ["--set", "steps=5", f"algorithms=ssgd,gtc[threshold={threshold}]"]
     assert main([QUICKSTART, *SMALL, *sets, "--out", str(tmp_path / "run")]) == 2
     captured = capsys.readouterr()
     (line,) = errors(captured.err)
-    assert "gtc[gtc_threshold=0.0000" in line and "more than a file name holds (255)" in line
+    assert "gtc[threshold=0.0000" in line and "more than a file name holds (255)" in line
     assert not (tmp_path / "run").exists()
 
 

@@ -17,12 +17,13 @@ from harness import QUICKSTART, UNDER_MPI, assert_same_run, mpiexec, read_jsonl
 from shoal.experiments.runner.cli import main
 
 OWN = Path(__file__).resolve().parents[1] / "examples" / "own_model.py"
-# The example at a size that trains in seconds; evaluations at steps 5, 10 and 15.
-SMALL_OWN = ["--no-progress", "--set", "steps=15", "eval_every=5", "diloco_sync_every=5",
-             "width=32", "depth=1", "heads=2", "context=16", "train_size=512",
-             "test_size=128", "batch_size=8"]  # fmt: skip
+# The example at a size that trains in seconds, S-SGD and DiLoCo (the example's MuLoCo is
+# DiLoCo with another inner optimizer: tests/test_muloco.py); evaluations at steps 5, 10, 15.
+SMALL_OWN = ["--no-progress", "--set", "steps=15", "eval_every=5", "algorithms=ssgd,diloco",
+             "diloco.sync_every=5", "width=32", "depth=1", "heads=2", "context=16",
+             "train_size=512", "test_size=128", "batch_size=8"]  # fmt: skip
 LINE = [str(QUICKSTART), "--task", "own_tasks:line", "--workers", "2", "--no-progress",
-        "--set", "algorithms=ssgd", "momentum=0", "learning_rate=0.1",
+        "--set", "algorithms=ssgd", "ssgd.local.momentum=0", "ssgd.local.learning_rate=0.1",
         "project_workers=0"]  # fmt: skip
 
 
@@ -44,8 +45,9 @@ def test_a_study_of_an_own_task(tmp_path, capsys):
         "from shoal.experiments.config import Config\n"
         "from shoal.experiments.runner.study import Row, Study, Table\n"
         "def get_config():\n"
-        "    cfg = Config(name='line_study', batch_size=8, train_size=64, momentum=0.0,\n"
-        "                 learning_rate=0.1)\n"
+        "    local = {'local': {'momentum': 0.0, 'learning_rate': 0.1}}\n"
+        "    cfg = Config(name='line_study', batch_size=8, train_size=64,\n"
+        "                 params={'ssgd': local, 'sma': local})\n"
         "    rows = (Row(('S-SGD',), 2, 'ssgd'), Row(('model averaging',), 2, 'sma'))\n"
         "    return Study(cfg, (Table('line', ('method',), rows),), epochs=2,\n"
         "                 baseline=Row(('SGD',), 1, 'ssgd'))\n"

@@ -1,6 +1,8 @@
 """Closed-loop adaptation: the noise-scale policy, carrying optimizer state across a
 switch, and the runner applying a switch mid-run (checked against a hand-made run)."""
 
+import dataclasses
+
 import harness
 import jax
 import numpy as np
@@ -9,9 +11,9 @@ import pytest
 from harness import QUICKSTART
 
 from shoal.comms import tree_nbytes
+from shoal.experiments.algorithms.adaptive import noise_scale_switch
 from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.backends import SimBackend
-from shoal.experiments.runner.policies import noise_scale_switch
 from shoal.experiments.runner.train import carry_state, train
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import gradient_noise_scale, partial_exchange, pgx_partition
@@ -22,14 +24,16 @@ WORKERS, STEPS, EVERY = 4, 10, 4
 
 
 def test_noise_scale_switch_uses_the_median_of_the_last_window():
-    cfg = apply_overrides(load_config(QUICKSTART), ["policy_every=3", "noise_threshold=100"])
+    cfg = apply_overrides(load_config(QUICKSTART), ["adaptive.every=3", "adaptive.threshold=100"])
+    p = cfg.params["adaptive"]
     recs = [{"noise_scale": v} for v in (500, 500, 500, 90, 120, 95)]
-    assert noise_scale_switch(recs, cfg) is None  # median of 90, 120, 95 is 95
+    assert noise_scale_switch(recs, p) is None  # median of 90, 120, 95 is 95
     recs[-1]["noise_scale"] = 130
-    assert noise_scale_switch(recs, cfg) == {"adaptive_sync": "partial"}
-    switched = apply_overrides(cfg, ["adaptive_sync=partial"])
+    assert noise_scale_switch(recs, p) == {"sync": "partial"}
+    switched = apply_overrides(cfg, ["adaptive.sync=partial"]).params["adaptive"]
+    assert switched == dataclasses.replace(p, sync="partial")
     assert noise_scale_switch(recs, switched) is None  # once
-    assert noise_scale_switch([{"loss": 1.0}] * 5, cfg) is None  # nothing measured
+    assert noise_scale_switch([{"loss": 1.0}] * 5, p) is None  # nothing measured
 
 
 def test_carry_state_keeps_what_fits():
@@ -51,19 +55,19 @@ def test_runner_switches_from_full_to_partial_exchange():
         [
             f"workers={WORKERS}",
             f"steps={STEPS}",
-            f"policy_every={EVERY}",
-            "noise_threshold=0",
-            "policy_after=0",
+            f"adaptive.every={EVERY}",
+            "adaptive.threshold=0",
+            "adaptive.after=0",
             "project_workers=0",
         ],  # fmt: skip
     )
+    p = cfg.params["adaptive"]
     task = GaussianMixtureTask(cfg)
     result = train(cfg, task, SimBackend(WORKERS), "adaptive", progress=False)
     recs = result.records
     # The policy first looks after step EVERY; a positive noise scale beats threshold 0.
-    assert [r.get("policy") for r in recs] == [None] * (EVERY - 1) + ["adaptive_sync=partial"] + [
-        None
-    ] * (STEPS - EVERY)
+    switch = [None] * (EVERY - 1) + ["sync=partial"] + [None] * (STEPS - EVERY)
+    assert [r.get("policy") for r in recs] == switch
     assert all("noise_scale" in r for r in recs[:EVERY])
     assert not any("noise_scale" in r for r in recs[EVERY:])
 
@@ -73,7 +77,7 @@ def test_runner_switches_from_full_to_partial_exchange():
     # The gradient and its squared norm; every step also the non-finite flag (one int32).
     flag = 2 * (WORKERS - 1) * 4 // WORKERS
     full = 2 * (WORKERS - 1) * (n + 4) // WORKERS + flag
-    bins = pgx_partition(params0, cfg.adaptive_fraction)
+    bins = pgx_partition(params0, p.fraction)
     leaf_bytes = {
         jax.tree_util.keystr(k): v.size * 4 for k, v in jax.tree_util.tree_leaves_with_path(params0)
     }
@@ -82,10 +86,10 @@ def test_runner_switches_from_full_to_partial_exchange():
     assert [r["bytes_sent"] for r in recs] == [full] * EVERY + partial[: STEPS - EVERY]
 
     coll = SimBackend(WORKERS).collective
-    sgd = optax.sgd(cfg.learning_rate, momentum=cfg.momentum)
+    sgd = optax.sgd(p.local.learning_rate, momentum=p.local.momentum)
     first = optax.chain(gradient_noise_scale(collective=coll, local_batch_size=cfg.batch_size,
-                                             ema=cfg.noise_ema), sgd)  # fmt: skip
-    second = optax.chain(partial_exchange(cfg.adaptive_fraction, collective=coll), sgd)
+                                             ema=p.ema), sgd)  # fmt: skip
+    second = optax.chain(partial_exchange(p.fraction, collective=coll), sgd)
 
     def run(tx, params, state, steps):
         def step(p, s, x, y):
@@ -115,8 +119,8 @@ def test_no_switch_below_the_threshold():
         [
             f"workers={WORKERS}",
             "steps=6",
-            "policy_every=2",
-            "noise_threshold=1e12",
+            "adaptive.every=2",
+            "adaptive.threshold=1e12",
             "project_workers=0",
         ],  # fmt: skip
     )
@@ -133,7 +137,7 @@ def test_kungfu_config_runs_every_entry(tmp_path):
 
     config = QUICKSTART.parent / "kungfu.py"
     sets = ["workers=2", "steps=3", "eval_every=3", "train_size=512", "test_size=64",
-            "policy_after=0", "policy_every=1", "noise_threshold=0"]  # fmt: skip
+            "adaptive.after=0", "adaptive.every=1", "adaptive.threshold=0"]  # fmt: skip
     assert main([str(config), "--set", *sets, "--no-progress", "--out", str(tmp_path)]) == 0
     recs = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").open())]
     assert len(recs) == 3 * 10

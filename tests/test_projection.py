@@ -43,7 +43,7 @@ def test_ssgd_is_one_ring_all_reduce_per_step():
 
 
 def test_bmuf_pays_once_per_block():
-    block = CFG.block_size  # 10: steps 10 and 20 synchronise
+    block = CFG.params["bmuf"].block_size  # 10: steps 10 and 20 synchronise
     got = project_run(CFG, "bmuf", TASK, [])
     one = step_comm_time([Event("all_reduce", "world", N)], CLUSTER)
     # The flag every step, the model once per block.
@@ -51,8 +51,8 @@ def test_bmuf_pays_once_per_block():
 
 
 def test_policy_changes_apply_from_the_next_step():
-    cfg = apply_overrides(CFG, ["adaptive_fraction=0.6"])
-    got = project_run(cfg, "adaptive", TASK, [(5, {"adaptive_sync": "partial"})])
+    cfg = apply_overrides(CFG, ["adaptive.fraction=0.6"])
+    got = project_run(cfg, "adaptive", TASK, [(5, {"sync": "partial"})])
     sizes = _leaf_bytes()
     bins = [sum(sizes[p] for p in b) for b in pgx_partition(TASK.init_params(), 0.6)]
     part = [step_comm_time([Event("all_reduce", "world", bins[t % 2])], CLUSTER) for t in

@@ -112,13 +112,13 @@ def test_simulated_checkpoint_resumed_under_mpi(tmp_path):
 
 def test_one_ranks_unreadable_newest_checkpoint_and_a_changed_field(two_rank_checkpoint, tmp_path):
     # Rank 1's newest meta.json is cut short: it resumes from step 20, whose config must
-    # still be compared (learning_rate changed), on that rank as on the other.
+    # still be compared (ssgd.local.learning_rate changed), on that rank as on the other.
     out = tmp_path / "run"
     shutil.copytree(two_rank_checkpoint, out)
     meta = out / "checkpoints" / "ssgd" / "rank_1" / "step_25" / "meta" / "meta.json"
     os.truncate(meta, 100)
-    result = launch([(2, resume(out, "--set", "learning_rate=0.1"), None)], tmp_path)
-    assert_refused(result, "'learning_rate'", "0.1 now but 0.05")
+    result = launch([(2, resume(out, "--set", "ssgd.local.learning_rate=0.1"), None)], tmp_path)
+    assert_refused(result, "'ssgd.local.learning_rate'", "0.1 now but 0.05")
 
 
 def test_a_config_file_missing_on_one_node(tmp_path):

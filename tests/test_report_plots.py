@@ -25,16 +25,16 @@ from shoal.experiments.runner.cli import main
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner starts its own workers")
 
 # ssgd and bfb reduce the same gradient (identical curves); bmuf with nonfinite=off sends
-# no bytes between its syncs; adaptive switches once (noise_threshold=0).
+# no bytes between its syncs; adaptive switches once (adaptive.threshold=0).
 ALGORITHMS = ("ssgd", "bmuf", "bfb", "adaptive")
 SETS = [
     "steps=8",
     "eval_every=4",
     "algorithms=" + ",".join(ALGORITHMS),
-    "block_size=4",
-    "policy_every=4",
-    "noise_threshold=0",
-    "policy_after=0",
+    "bmuf.block_size=4",
+    "adaptive.every=4",
+    "adaptive.threshold=0",
+    "adaptive.after=0",
     "project_workers=0",
     "nonfinite=off",
     "train_size=512",

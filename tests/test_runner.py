@@ -21,7 +21,8 @@ from harness import QUICKSTART, assert_same_run, mpiexec, mpiexec_per_rank, read
 
 from shoal.comms import tree_nbytes
 from shoal.comms.wire import all_reduce_bytes
-from shoal.experiments import algorithms, builders
+from shoal.experiments import algorithms
+from shoal.experiments.algorithms import ssgd as ssgd_module
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import apply_overrides, load_config, parse_value
 from shoal.experiments.reports import PLOTS
@@ -47,11 +48,12 @@ SETS = [
     f"steps={STEPS}",
     "eval_every=5",
     "algorithms=" + ",".join(ALGORITHMS),
-    f"block_size={BLOCK}",
-    f"group_size={GROUP}",
-    "policy_every=4",
-    "noise_threshold=0",
-    "policy_after=0",
+    f"bmuf.block_size={BLOCK}",
+    f"bmuf_gtc.block_size={BLOCK}",
+    f"bmuf_gtc.group_size={GROUP}",
+    "adaptive.every=4",
+    "adaptive.threshold=0",
+    "adaptive.after=0",
     "project_workers=0",
 ]  # fmt: skip  (tests/test_projection.py covers the projection)
 SMALL = ["--workers", str(WORKERS), "--set", *SETS, "--no-progress"]
@@ -73,7 +75,8 @@ def test_ssgd_equals_one_worker_on_the_concatenated_batch():
     # Oracle: plain optax in one process on the global batch.
     params = task.init_params()
     init = params
-    opt = optax.sgd(cfg.learning_rate, momentum=cfg.momentum)
+    local = cfg.params["ssgd"].local
+    opt = optax.sgd(local.learning_rate, momentum=local.momentum)
     state = opt.init(params)
     grad_fn = jax.jit(jax.value_and_grad(task.loss))
     losses = []
@@ -254,11 +257,12 @@ def test_outputs_are_consistent(sim_run):
 
 def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
     # A registered algorithm is selectable from the command line.
-    def slow(cfg, collective):
-        return builders.ssgd(dataclasses.replace(cfg, learning_rate=cfg.learning_rate / 10),
-                               collective)  # fmt: skip
+    def slow(p, ctx):
+        local = dataclasses.replace(p.local, learning_rate=p.local.learning_rate / 10)
+        return ssgd_module.build(dataclasses.replace(p, local=local), ctx)
 
-    monkeypatch.setitem(algorithms.ALGORITHMS, "ssgd_slow", algorithms.Algorithm(slow))
+    slow_algorithm = algorithms.Algorithm("ssgd_slow", ssgd_module.SSGD, slow, None)
+    monkeypatch.setitem(algorithms.ALGORITHMS, "ssgd_slow", slow_algorithm)
     argv = [str(QUICKSTART), "--workers", "2", "--set", "steps=3", "algorithms=ssgd,ssgd_slow",
             "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
@@ -275,27 +279,31 @@ def test_several_algorithms_share_data_and_init(tmp_path, monkeypatch, capsys):
 
 
 def test_override_types():
-    cfg = apply_overrides(
-        Config(),
-        ["algorithms=ssgd, x", "learning_rate=0.5", "steps=7", "hidden=8,4", "name=run2"],
-    )
+    sets = ["algorithms=ssgd, x", "ssgd.local.learning_rate=0.5", "steps=7", "hidden=8,4"]
+    cfg = apply_overrides(Config(), [*sets, "name=run2"])
     assert cfg.algorithms == ("ssgd", "x") and cfg.hidden == (8, 4)
-    assert cfg.learning_rate == 0.5 and cfg.steps == 7 and cfg.name == "run2"
+    assert cfg.params["ssgd"].local.learning_rate == 0.5
+    assert cfg.steps == 7 and cfg.name == "run2"
     assert parse_value("off", bool) is False
     assert parse_value("none", float | None) is None and parse_value("2", int | None) == 2
     assert parse_value("b", Literal["a", "b"]) == "b"
     assert parse_value("1,x", tuple[int, str]) == (1, "x")
-    cfg = apply_overrides(Config(), ["block_momentum=none", "nbm=chen_huo", "nesterov=false"])
-    assert cfg.block_momentum is None and cfg.nbm == "chen_huo" and cfg.nesterov is False
+    cfg = apply_overrides(
+        Config(), ["bmuf.block_momentum=none", "bmuf.nbm=chen_huo", "bmuf.nesterov=false"]
+    )
+    bmuf = cfg.params["bmuf"]
+    assert bmuf.block_momentum is None and bmuf.nbm == "chen_huo" and bmuf.nesterov is False
 
 
 def test_override_errors(capsys):
-    with pytest.raises(ConfigError, match="unknown config key 'learning_rat'.*learning_rate"):
-        apply_overrides(Config(), ["learning_rat=0.1"])
+    with pytest.raises(
+        ConfigError, match="unknown config key 'ssgd.local.learning_rat'.*learning_rate"
+    ):
+        apply_overrides(Config(), ["ssgd.local.learning_rat=0.1"])
     with pytest.raises(ConfigError, match="bad value for steps: 'ten' is not an int"):
         apply_overrides(Config(), ["steps=ten"])
     with pytest.raises(ConfigError, match="momentum"):
-        apply_overrides(Config(), ["momentum=1.5"])
+        apply_overrides(Config(), ["ssgd.local.momentum=1.5"])
     with pytest.raises(ConfigError, match="key=value"):
         apply_overrides(Config(), ["steps"])
     with pytest.raises(ConfigError, match="world size 4"):
@@ -310,37 +318,42 @@ def test_override_errors(capsys):
     assert main([str(QUICKSTART), "--workers", "1000"]) == 2
     assert "batch_size" in capsys.readouterr().err
     # An entry's bracketed overrides are checked before any training.
-    assert main([str(QUICKSTART), "--set", "algorithms=gtc[gtc_threshold=-1]"]) == 2
-    assert "gtc_threshold" in capsys.readouterr().err
-    assert main([str(QUICKSTART), "--set", "algorithms=gtc[gtc_threshold=0.1"]) == 2
+    assert main([str(QUICKSTART), "--set", "algorithms=gtc[threshold=-1]"]) == 2
+    assert "threshold" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "--set", "algorithms=gtc[threshold=0.1"]) == 2
     assert "expected name[key=value;...]" in capsys.readouterr().err
     # BMUF: the last step must be a BMUF step; BMUF_GTC: groups must tile the workers.
     assert main([str(QUICKSTART), "--set", "steps=15", "algorithms=bmuf"]) == 2
     assert "multiple of block_size = 10" in capsys.readouterr().err
     assert main([str(QUICKSTART), "--workers", "6", "--set", "algorithms=bmuf_gtc"]) == 2
     assert "group_size = 4 must divide the number of workers 6" in capsys.readouterr().err
+    # BMUF_GTC has no warm-up: warmup_steps is bmuf's own.
     assert main([str(QUICKSTART), "--set", "algorithms=bmuf_gtc[warmup_steps=10]"]) == 2
-    assert "no warm-up" in capsys.readouterr().err
-    assert main([str(QUICKSTART), "--workers", "1", "--set", "algorithms=bmuf", "block_lr=2"]) == 2
+    assert "'warmup_steps' is not a hyper-parameter of bmuf_gtc" in capsys.readouterr().err
+    argv = [str(QUICKSTART), "--workers", "1", "--set", "algorithms=bmuf", "bmuf.block_lr=2"]
+    assert main(argv) == 2
     assert "pass block_momentum explicitly" in capsys.readouterr().err
     # The transformation checks its hyper-parameters: bmuf's message, at resolve time.
     with pytest.raises(ConfigError, match=r"'bmuf'.*block_momentum must lie in \[0, 1\)"):
-        algorithms.resolve("bmuf", apply_overrides(Config(steps=20), ["block_momentum=1.0"]))
+        algorithms.resolve("bmuf", apply_overrides(Config(steps=20), ["bmuf.block_momentum=1.0"]))
 
 
 def test_entry_overrides_reach_the_builder():
     cfg = Config()
-    assert algorithms.parse_entry("gtc[gtc_threshold=0.2;gtc_capacity=0.5]") == (
+    assert algorithms.parse_entry("gtc[threshold=0.2;capacity=0.5]") == (
         "gtc",
-        ["gtc_threshold=0.2", "gtc_capacity=0.5"],
+        ["threshold=0.2", "capacity=0.5"],
     )
-    entry = algorithms.resolve("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", cfg)
-    assert (entry.label, entry.name) == ("gtc[gtc_threshold=0.2;gtc_capacity=0.5]", "gtc")
-    assert (entry.cfg.gtc_threshold, entry.cfg.gtc_capacity) == (0.2, 0.5)
-    assert algorithms.resolve("gtc", cfg).cfg == cfg
+    entry = algorithms.resolve("gtc[threshold=0.2;capacity=0.5]", cfg)
+    assert (entry.label, entry.name) == ("gtc[threshold=0.2;capacity=0.5]", "gtc")
+    assert (entry.params.threshold, entry.params.capacity) == (0.2, 0.5)
+    assert entry.cfg == cfg  # the run's config is the run's; the entry's own are its params
+    plain = algorithms.resolve("gtc", cfg)
+    assert plain.cfg == cfg and plain.params == algorithms.ALGORITHMS["gtc"].params()
     assert algorithms.resolve(entry, cfg) is entry  # resolved once, passed down as is
     # A policy's changes apply on top of the entry's overrides.
-    assert entry.config({"gtc_capacity": 0.25}).gtc_capacity == 0.25
+    changed = entry.changed({"capacity": 0.25})[1]
+    assert (changed.threshold, changed.capacity) == (0.2, 0.25)
 
 
 def test_two_tier_sim_layout():
@@ -376,7 +389,7 @@ def test_bmuf_wire_bytes(sim_run):
     # BMUF_GTC: every step GTC's all-gather inside the group of 2 (capacity words plus a
     # header, int32); on sync steps the all-reduce of the params between the 2 groups; the
     # flag summed within the group, then across groups.
-    cap = round(load_config(QUICKSTART).gtc_capacity * n_elem)
+    cap = round(load_config(QUICKSTART).params["bmuf_gtc"].capacity * n_elem)
     gtc_bytes = (GROUP - 1) * 4 * (cap + 1)
     groups = WORKERS // GROUP
     across = 2 * (groups - 1) * nbytes // groups
@@ -413,8 +426,9 @@ def test_evaluation_params_picks_the_global_model():
 def test_bmuf_degenerate_cases_through_the_runner():
     # Averaging after every plain SGD step, without block momentum, is S-SGD; one group
     # of all workers with eq. 5's block momentum (1 - 1/1 = 0) is GTC.
+    no_momentum = [f"{name}.local.momentum=0" for name in ("ssgd", "bmuf", "gtc", "bmuf_gtc")]
     cfg = apply_overrides(
-        load_config(QUICKSTART), ["workers=4", "steps=6", "eval_every=6", "momentum=0"]
+        load_config(QUICKSTART), ["workers=4", "steps=6", "eval_every=6", *no_momentum]
     )
     task = GaussianMixtureTask(cfg)
     backend = SimBackend(4)

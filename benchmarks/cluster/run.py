@@ -178,18 +178,24 @@ class Setup:
             f"eval_every={self.steps}",
             f"hidden={self.hidden}",
             "project_workers=0",
-            # GTC at 1% density: capacity 1% of the parameters, and a threshold low enough
-            # to fill it (0.1 leaves ~0.15% here; the bytes sent are the capacity's anyway).
-            "gtc_capacity=0.01",
-            "gtc_threshold=0.01",
-            "block_size=10",
-            "diloco_sync_every=10",
+            # GTC at 1% density (gtc and bmuf_gtc): capacity 1% of the parameters, and a
+            # threshold low enough to fill it (0.1 leaves ~0.15% here; the bytes sent are
+            # the capacity's anyway).
+            *each(("gtc", "bmuf_gtc"), "capacity", 0.01),
+            *each(("gtc", "bmuf_gtc"), "threshold", 0.01),
+            *each(("bmuf", "bmuf_gtc"), "block_size", 10),
+            *each(("diloco", "streaming_diloco"), "sync_every", 10),
             # 1-bit LAMB's warm-up ends before the timed steps: they are compressed. So
             # early a freeze diverges at LAMB's 0.02 on this model (NaN, skipped steps that
-            # send nothing): LAMB and 1-bit LAMB run at 0.005.
-            f"onebit_freeze_step={max(1, self.first_timed - 5)}",
-            "lamb_learning_rate=0.005",
+            # send nothing): LAMB and 1-bit LAMB (and 1-bit Adam) run at 0.005.
+            *each(("onebit_lamb", "onebit_adam"), "freeze_step", max(1, self.first_timed - 5)),
+            *each(("lamb", "onebit_lamb", "onebit_adam"), "learning_rate", 0.005),
         ]
+
+
+def each(names: tuple[str, ...], field: str, value) -> list[str]:
+    """``--set`` items giving each algorithm of ``names`` its own ``field`` = ``value``."""
+    return [f"{name}.{field}={value}" for name in names]
 
 
 def shoal_run(net, setup: Setup, backend: str, algorithms, out: Path) -> list[str]:
@@ -247,14 +253,13 @@ def project(setup: Setup, algorithms_: tuple[str, ...], cluster) -> tuple[dict, 
     cfg = dataclasses.replace(cfg, workers=setup.hosts)
     task = make_task(cfg)
     params = task.init_params()
-    context = algorithms.BuildContext(task=task)
     last = setup.steps - 1
     comm = {}
     for name in algorithms_:
         entry = algorithms.resolve(name, cfg)
         gs = entry.group_size
         steps = record_events(
-            lambda c, entry=entry: entry.build(c, context),
+            lambda c, entry=entry: entry.build(c, task=task),
             params, workers=setup.hosts, steps=last, group_size=gs,
         )  # fmt: skip
         window = steps[setup.first_timed - 1 : last]

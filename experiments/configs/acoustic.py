@@ -9,7 +9,8 @@ shares these settings.
 Learning rates follow the linear scaling rule from ``LR``, the rate of one worker
 alone: the local step is ``LR`` times the number of workers whose gradients one update
 averages, ``N`` for S-SGD and GTC, ``group_size`` for BMUF_GTC, 1 for BMUF (its block
-momentum, eq. 5, already scales the block's progress by ``N``).
+momentum, eq. 5, already scales the block's progress by ``N``): each method's
+``local.learning_rate``, in ``params`` for the run and in brackets per entry.
 """
 
 from shoal.experiments.config import Config
@@ -17,16 +18,19 @@ from shoal.experiments.config import Config
 LR = 0.02
 WORKERS = 8
 GROUP_SIZE = 4
+# GTC's tau and buffer (GTC and BMUF_GTC): buffers hold 2.5% of the parameters; about 1.6%
+# pass tau here.
+GTC = {"threshold": 0.05, "capacity": 0.025}
 
 
 def entries(workers: int, block_size: int = 10, group_size: int = GROUP_SIZE) -> dict[str, str]:
     """``{method: algorithm entry}`` of the four methods on ``workers`` workers."""
     return {
-        "S-SGD": f"ssgd[learning_rate={LR * workers:g}]",
-        "GTC": f"gtc[learning_rate={LR * workers:g}]",
+        "S-SGD": f"ssgd[local.learning_rate={LR * workers:g}]",
+        "GTC": f"gtc[local.learning_rate={LR * workers:g}]",
         "BMUF": f"bmuf[block_size={block_size}]",
         "BMUF_GTC": f"bmuf_gtc[block_size={block_size};group_size={group_size};"
-        f"learning_rate={LR * group_size:g}]",
+        f"local.learning_rate={LR * group_size:g}]",
     }
 
 
@@ -50,11 +54,12 @@ def get_config() -> Config:
         train_size=10240,
         test_size=1024,
         hidden=(64,),
-        learning_rate=LR,
-        momentum=0.9,
-        # GTC buffers hold 2.5% of the parameters; about 1.6% pass tau here.
-        gtc_threshold=0.05,
-        gtc_capacity=0.025,
-        block_size=10,
-        group_size=GROUP_SIZE,
+        # Each method's own hyper-parameters: the local optimizer (momentum SGD, 0.9) at LR
+        # for all four (the entries' brackets scale it); BMUF's block is 10 steps.
+        params={
+            "ssgd": {"local": {"learning_rate": LR}},
+            "gtc": {**GTC, "local": {"learning_rate": LR}},
+            "bmuf": {"local": {"learning_rate": LR}},
+            "bmuf_gtc": {**GTC, "group_size": GROUP_SIZE, "local": {"learning_rate": LR}},
+        },
     )

@@ -34,6 +34,7 @@ averaged (N for BMUF, N / group size for BMUF_GTC). One seed."""
 
 def get_config() -> Study:
     cfg = dataclasses.replace(acoustic(), name="acoustic_study")
+    group_size = cfg.params["bmuf_gtc"].group_size
     table1 = Table(
         "Table 1: number of workers",
         ("method", "workers"),
@@ -43,7 +44,7 @@ def get_config() -> Study:
             for n in WORKERS
             for entry in [entries(n)[method]]
         ],
-        note=f"Block size {BLOCK_SIZE} for BMUF and BMUF_GTC; group size {cfg.group_size}.",
+        note=f"Block size {BLOCK_SIZE} for BMUF and BMUF_GTC; group size {group_size}.",
     )
     table2 = Table(
         f"Table 2: block size ({LARGEST} workers)",
@@ -53,7 +54,7 @@ def get_config() -> Study:
             for method in ("BMUF", "BMUF_GTC")
             for b in BLOCK_SIZES
         ],
-        note=f"Group size {cfg.group_size} for BMUF_GTC.",
+        note=f"Group size {group_size} for BMUF_GTC.",
     )
     table3 = Table(
         f"Table 3: group size ({LARGEST} workers, block size {BLOCK_SIZE})",

@@ -6,7 +6,7 @@ Run with ``shoal-run experiments/configs/compression_pareto_lm.py``.
 """
 
 from shoal.experiments.config import Config
-from shoal.experiments.configs.compression_pareto import COMMON
+from shoal.experiments.configs.compression_pareto import COMMON, params
 
 
 def get_config() -> Config:
@@ -21,7 +21,6 @@ def get_config() -> Config:
         lm_width=64,
         lm_layers=2,
         lm_heads=4,
-        learning_rate=0.1,
-        momentum=0.9,
+        params=params(learning_rate=0.1),
         **COMMON,
     )

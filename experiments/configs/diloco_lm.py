@@ -23,12 +23,12 @@ from shoal.experiments.config import Config
 
 H = (10, 50, 100)
 STREAMING_H = 100
+ADAMW = {"learning_rate": 3e-3}
 
 
 def get_config() -> Config:
     streaming = [
-        f"streaming_diloco[diloco_sync_every={STREAMING_H};streaming_overlap={tau};"
-        f"diloco_exchange={exchange}]"
+        f"streaming_diloco[sync_every={STREAMING_H};overlap={tau};exchange.codec={exchange}]"
         for exchange in ("float32", "fp4")
         for tau in (0, 2)
     ]
@@ -36,7 +36,7 @@ def get_config() -> Config:
         name="diloco_lm",
         algorithms=(
             "ssgd_adamw",
-            *(f"diloco[diloco_sync_every={h}]" for h in H),
+            *(f"diloco[sync_every={h}]" for h in H),
             *streaming,
         ),
         task="lm",
@@ -50,11 +50,12 @@ def get_config() -> Config:
         lm_width=64,
         lm_layers=2,
         lm_heads=4,
-        diloco_inner="adamw",
-        diloco_inner_lr=3e-3,
-        weight_decay=0.0,
-        diloco_outer_lr=0.7,
-        diloco_outer_momentum=0.9,
-        streaming_fragments=4,
-        streaming_mix=0.5,
+        # AdamW at 3e-3 (no weight decay) for the baseline and as DiLoCo's inner
+        # optimizer; the rest are the defaults: outer Nesterov SGD at 0.7 and 0.9,
+        # Streaming DiLoCo's 4 fragments and mix 0.5.
+        params={
+            "ssgd_adamw": {"adamw": ADAMW},
+            "diloco": {"inner": {"adamw": ADAMW}},
+            "streaming_diloco": {"inner": {"adamw": ADAMW}},
+        },
     )

@@ -33,12 +33,11 @@ def get_config() -> Config:
         name="gtc_sweep",
         algorithms=(
             "ssgd",
-            *(f"gtc[gtc_threshold={tau};gtc_capacity={cap}]" for tau, cap in SWEEP),
+            *(f"gtc[threshold={tau};capacity={cap}]" for tau, cap in SWEEP),
         ),
         workers=8,
         steps=200,
         batch_size=32,
         eval_every=25,
-        learning_rate=0.05,
-        momentum=0.9,
+        # Every entry's local optimizer: momentum SGD at 0.05 and 0.9 (the defaults).
     )

@@ -20,13 +20,13 @@ from shoal.experiments.config import Config
 
 ALGORITHMS = (
     "ssgd",
-    "pgx[pgx_fraction=1.0]",
-    "pgx[pgx_fraction=0.3]",
-    "pgx[pgx_fraction=0.1]",
-    "peer[peer_strategy=round_robin;peer_staleness=0]",
-    "peer[peer_strategy=round_robin;peer_staleness=1]",
-    "peer[peer_strategy=random;peer_staleness=0]",
-    "peer[peer_strategy=random;peer_staleness=1]",
+    "pgx[fraction=1.0]",
+    "pgx[fraction=0.3]",
+    "pgx[fraction=0.1]",
+    "peer[strategy=round_robin;staleness=0]",
+    "peer[strategy=round_robin;staleness=1]",
+    "peer[strategy=random;staleness=0]",
+    "peer[strategy=random;staleness=1]",
     "sma",
     "adaptive",
 )
@@ -44,11 +44,8 @@ def get_config() -> Config:
         steps=300,
         batch_size=32,
         eval_every=25,
-        learning_rate=0.05,
-        momentum=0.9,
-        sma_alpha=0.1,
-        noise_threshold=150.0,
-        policy_every=10,
-        policy_after=100,
-        adaptive_fraction=0.1,
+        # Every algorithm's local optimizer is momentum SGD at 0.05 and 0.9 and SMA's
+        # alpha 0.1 (the defaults). adaptive: every 10 steps from step 100, PGX at 0.1 once
+        # the noise scale's median passes 150.
+        params={"adaptive": {"threshold": 150.0, "every": 10, "after": 100, "fraction": 0.1}},
     )

@@ -15,6 +15,8 @@ the validation loss against the samples seen.
 
 from shoal.experiments.config import Config
 
+LAMB = {"learning_rate": 0.02, "lr_warmup": 0.05, "lr_decay": "cosine"}
+
 
 def get_config() -> Config:
     return Config(
@@ -31,8 +33,7 @@ def get_config() -> Config:
         lm_width=64,
         lm_layers=2,
         lm_heads=4,
-        lamb_learning_rate=0.02,
-        lamb_lr_warmup=0.05,
-        lamb_lr_decay="cosine",
-        onebit_freeze_fraction=0.15,
+        # Both: LAMB at a peak of 0.02 after a linear warm-up over 5% of the steps, then a
+        # cosine decay; 1-bit LAMB freezes at 15% of the steps (its default).
+        params={"lamb": LAMB, "onebit_lamb": {**LAMB, "freeze_fraction": 0.15}},
     )

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from shoal.experiments.algorithms import ALGORITHMS, parse_entry
+from shoal.experiments.algorithms.renamed import RENAMED
 from shoal.experiments.config import Config
 from shoal.experiments.overrides import flatten
 from shoal.experiments.runner.checkpoint_files import (
@@ -231,6 +232,16 @@ class Checkpointer:
                 f"its checkpoint {name} is from {saved.get('backend')!r}"
             )
         old, new = saved.get("config", {}), self.meta["config"]
+        flat = sorted(k for k in old if k in RENAMED)
+        if flat:
+            # Written before each algorithm's hyper-parameters had a home of their own: its
+            # fields cannot be compared with this run's one for one.
+            raise CheckpointError(
+                f"cannot resume {self.meta['algorithm']}: its checkpoint {name} was written "
+                f"by an older shoal, with flat algorithm fields ({', '.join(flat[:3])}, ...) "
+                "that are now each algorithm's own (e.g. ssgd.local.learning_rate); start "
+                "the run again with --overwrite"
+            )
         # Checkpoints may list fields this run's would not: compare the ones it would list.
         skip = _skipped(self.meta["algorithm"])
         old = {k: v for k, v in old.items() if k.split(".")[0] not in skip}
