@@ -29,3 +29,36 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_em
 for _flag in TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+# Strict dtype promotion for the whole session: a mix of dtypes (bfloat16 + float32, a
+# Python float times an int32 counter) must be cast explicitly, so an accidental widening
+# (a bfloat16 model silently updated in float32) fails here. Third-party code that is not
+# strict-clean runs relaxed only where a test calls it (`shoal.dtypes.standard_promotion`
+# around optax's Adam family: `harness.adam`, `harness.adamw`). The notebooks run in their
+# own kernels, under standard promotion.
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Test files that still run under standard promotion, each for a failure outside the
+# library; remove a file from the list once its cause is fixed:
+# - test_checkpoint.py, test_own_task.py: the runner's "diloco" (experiments/builders.py)
+#   and "ssgd_adamw" build optax.adamw, whose bias correction is not strict-clean
+#   (optax/tree_utils/_tree_math.py: ``decay ** count``); wrap it in
+#   shoal.dtypes.standard_promotion there.
+# - test_herring_table3.py: experiments/tasks/bert.py's float16 LayerNorm, through flax's
+#   _compute_stats (``jnp.promote_types(float16, float32)``, refused under strict).
+STANDARD_PROMOTION_FILES = frozenset(
+    {"test_checkpoint.py", "test_own_task.py", "test_herring_table3.py"}
+)
+
+
+# Module-scoped, so that the module fixtures (the runs a file's tests share) are covered.
+@pytest.fixture(autouse=True, scope="module")
+def _dtype_promotion(request):
+    if request.path.name in STANDARD_PROMOTION_FILES:
+        with jax.numpy_dtype_promotion("standard"):
+            yield
+    else:
+        yield

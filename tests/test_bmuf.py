@@ -126,11 +126,15 @@ def test_matches_oracle(variant, hyper, path):
         kwargs = dict(block_lr=0.8, block_momentum=0.6)
         zeta, eta = constant(0.8), constant(0.6)
     elif hyper == "lr-schedule":  # default eta_t = 1 - zeta_t / N
-        kwargs = dict(block_lr=lambda s: 1.0 + 0.2 * s)
+        kwargs = dict(block_lr=lambda s: 1.0 + 0.2 * s.astype(jnp.float32))
         zeta = lambda t: 1.0 + 0.2 * (t - 1)
         eta = lambda t: 1.0 - zeta(t) / N
     else:  # schedules are called with s = t - 1
-        kwargs = dict(block_lr=lambda s: 0.8 + 0.1 * s, block_momentum=lambda s: 0.3 + 0.1 * s)
+        # A schedule gets the int32 block count (as optax's do): cast before mixing in floats.
+        f32 = lambda s: s.astype(jnp.float32)
+        kwargs = dict(
+            block_lr=lambda s: 0.8 + 0.1 * f32(s), block_momentum=lambda s: 0.3 + 0.1 * f32(s)
+        )
         zeta, eta = (lambda t: 0.8 + 0.1 * (t - 1)), (lambda t: 0.3 + 0.1 * (t - 1))
     tx = lambda c: bmuf(
         optax.sgd(LR), collective=c, block_size=block_size, **VARIANTS[variant], **kwargs

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import n_workers, run_workers, world
+from harness import adam, adamw, n_workers, run_workers, world
 from jax import lax
 
 from shoal.comms import AxisCollective, Quantized, TopK, wire_bytes
@@ -147,7 +147,7 @@ def test_sync_every_one_unit_outer_lr_averages_the_inner_steps():
     nonlinear inner such as Adam, each worker keeps its own moments)."""
     workers, steps = 3, 5
     coll = AxisCollective("w", workers)
-    inner = optax.adam(0.05)
+    inner = adam(0.05)
     tx = diloco(inner, collective=coll, sync_every=1, outer=optax.sgd(1.0))
     args = jax.tree.map(lambda a: a[:workers], (P0, X, Y))
 
@@ -208,7 +208,7 @@ def test_equals_bmuf_chen_huo_without_reset(inner):
     sync_every, steps = 3, 9
     make = {
         "sgd_momentum": lambda: optax.sgd(LR, momentum=MU),
-        "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
+        "adamw": lambda: adamw(0.05, weight_decay=0.1),
     }[inner]
     got = run_workers(
         worker_fn(
@@ -237,7 +237,7 @@ def test_equals_bmuf_chen_huo_without_reset(inner):
 def test_outer_adam_matches_optax_reference():
     """Any optax outer optimizer: theta_g steps with outer.update(theta_g - mean theta_i)."""
     workers, sync_every, rounds = 3, 2, 3
-    outer = optax.adam(0.3)
+    outer = adam(0.3)
     coll = AxisCollective("w", workers)
     args = jax.tree.map(lambda a: a[:workers], (P0, X, Y))
     tx = lambda c: diloco(optax.sgd(LR), collective=c, sync_every=sync_every, outer=outer)

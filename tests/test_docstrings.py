@@ -127,7 +127,7 @@ def test_comms_kernels_docstring_example_runs(module_name, name):
         assert result.attempted > 0
 
 
-@pytest.mark.parametrize("module", ["shoal.checks", "shoal.experiments.config"])
+@pytest.mark.parametrize("module", ["shoal.checks", "shoal.dtypes", "shoal.experiments.config"])
 def test_module_docstring_examples_run(module):
     # What a newcomer reads first: help(Config), and the check every layer shares.
     import importlib

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from harness import adamw
 
 import shoal.optim as optim
 from shoal.comms import AxisCollective
@@ -24,7 +25,7 @@ BUILDERS = {
     "bfb_allreduce": lambda c: optim.bfb_allreduce(collective=c, buffer_bytes=8),
     "bmuf": lambda c: optim.bmuf(optax.sgd(0.1), collective=c, block_size=2),
     "diloco": lambda c: optim.diloco(
-        optax.adamw(1e-3), collective=c, sync_every=2, outer=optax.sgd(0.7, momentum=0.9)
+        adamw(1e-3), collective=c, sync_every=2, outer=optax.sgd(0.7, momentum=0.9)
     ),
     "gradient_noise_scale": lambda c: optim.gradient_noise_scale(collective=c, local_batch_size=4),
     "gtc": lambda c: optim.gtc(0.1, collective=c, capacity=2),
@@ -35,7 +36,7 @@ BUILDERS = {
     "sma": lambda c: optim.sma(optax.sgd(0.1), collective=c),
     "skip_nonfinite": lambda c: optim.skip_nonfinite(optax.sgd(0.1), collective=c),
     "streaming_diloco": lambda c: optim.streaming_diloco(
-        optax.adamw(1e-3), collective=c, sync_every=2, outer=optax.sgd(0.7), num_fragments=2
+        adamw(1e-3), collective=c, sync_every=2, outer=optax.sgd(0.7), num_fragments=2
     ),
     "topk": lambda c: optim.topk(0.5, collective=c),
     "powersgd": lambda c: optim.powersgd(1, collective=c),

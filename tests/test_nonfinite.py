@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import UNDER_MPI, n_workers, run_two_tier, run_workers
+from harness import UNDER_MPI, adam, n_workers, run_two_tier, run_workers
 from jax import lax
 
 import shoal.optim as optim
@@ -74,9 +74,7 @@ momentum = lambda: optax.sgd(LR, momentum=0.9)
 CASES = {
     "allreduce_gradients": lambda c: optax.chain(allreduce_gradients(collective=c), sgd()),
     # A whole chain skips as one: Adam's moments and count do not move either.
-    "allreduce_gradients+adam": lambda c: optax.chain(
-        allreduce_gradients(collective=c), optax.adam(LR)
-    ),
+    "allreduce_gradients+adam": lambda c: optax.chain(allreduce_gradients(collective=c), adam(LR)),
     "gtc": lambda c: optax.chain(gtc(0.05, collective=c, capacity=4), sgd()),
     "bmuf": lambda c: bmuf(momentum(), collective=c, block_size=2),
     "bmuf_gtc": lambda intra, inter: bmuf_gtc(

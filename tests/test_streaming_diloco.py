@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import n_workers, run_workers
+from harness import adam, n_workers, run_workers
 from jax import lax
 
 from shoal.comms import AxisCollective, Float32, Quantized, wire_bytes
@@ -183,7 +183,7 @@ def test_one_fragment_is_diloco(outer):
     """num_fragments=1, overlap=0, exchange=None is diloco, bit for bit: params, theta_g,
     the outer state and bytes after every update."""
     sync_every, steps = 3, 10
-    make = {"nesterov": nesterov_outer, "adam": lambda: optax.adam(0.3)}[outer]
+    make = {"nesterov": nesterov_outer, "adam": lambda: adam(0.3)}[outer]
     inner = lambda: optax.sgd(LR, momentum=MU)
     got = run_workers(
         worker_fn(
