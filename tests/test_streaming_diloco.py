@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from block_cases import block_worker, nesterov_outer_step
 from harness import adam, n_workers, run_workers
 from jax import lax
 
@@ -102,9 +103,9 @@ def oracle(workers, steps, overlap, mix):
         for p in range(F):
             sl, offset = FLAT[p], p * H // F
             if (t - offset) % H == 0:
-                delta = theta_g[sl] - theta[:, sl].mean(0)
-                trace[sl] = delta + OUTER_MU * trace[sl]
-                theta_g[sl] = theta_g[sl] - OUTER_LR * (delta + OUTER_MU * trace[sl])
+                theta_g[sl], trace[sl] = nesterov_outer_step(
+                    theta_g[sl], trace[sl], theta[:, sl].mean(0), OUTER_LR, OUTER_MU
+                )
                 outer_steps += 1
                 if overlap == 0:
                     theta[:, sl] = theta_g[sl]
@@ -115,25 +116,10 @@ def oracle(workers, steps, overlap, mix):
     return np.stack(params), np.stack(glob), outer_steps
 
 
-def worker_fn(tx, steps, p0_key=None):
-    """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
-    params, theta_g and this step's wire bytes after every step, and the final state."""
-
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        opt = tx(coll)
-        state = opt.init(params)
-
-        def body(carry, _):
-            p, s = carry
-            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
-            return (p, s), (p, s.global_params, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, state), None, length=steps)
-        return traj, state
-
-    return worker
+def worker_fn(tx, steps):
+    """`block_worker` on this file's model: the params, theta_g and this step's wire
+    bytes after every step, and the final state."""
+    return block_worker(tx, steps, loss)
 
 
 def streaming(**kwargs):
