@@ -1,10 +1,11 @@
 """The contract table: one `Row` per transformation factory of `shoal.optim` (after
 optax's ``contrib/_common_test.py``). The library-level contract tests read it:
 
-- tests/test_contract_table.py: every public factory has a row, and every row says what
-  each contract below does with it (a case, or why it has none);
+- tests/test_contract_table.py: every public factory has a row, every row says what each
+  contract below does with it (a case, or why it has none), and the shard_map job
+  (tests/jobs/mesh_cases.py) calls every row's factory;
 - tests/test_optax_contract.py: the parabola, ``inject_hyperparams``, the collective's
-  type, a missing ``params``;
+  type, a missing ``params``, a half-precision model under strict dtype promotion;
 - tests/test_misuse.py and tests/test_integer_gradients.py: a gradient tree that does not
   match, a state of another transformation, an integer gradient;
 - tests/test_nonfinite.py: `shoal.optim.skip_nonfinite` around every row, in its

@@ -337,3 +337,26 @@ def test_default_resets_momentum_and_does_not_diverge():
     assert default[:, -10:].mean() < 0.25 * first
     kept = _momentum_inner_losses(False)
     assert not np.all(np.isfinite(kept)) or np.nanmax(kept) > 20 * first
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_schedules_with_a_half_precision_model(dtype):
+    # Under strict promotion (tests/conftest.py) a schedule's float32 block rate and
+    # momentum meet the model's half precision in a x + b y: cast explicitly, computed in
+    # float32 and stored in the model's dtype.
+    schedule = optax.linear_schedule(0.8, 0.5, 4)
+    tx = bmuf(optax.sgd(LR), collective=AxisCollective("w", 2), block_size=1,
+              block_lr=schedule, block_momentum=schedule, nbm="chen_huo")  # fmt: skip
+    params = {"b": jnp.ones((2, 2), dtype), "w": jnp.ones((2, 3, 2), dtype)}
+
+    def worker(p, g):
+        state = tx.init(p)
+        for _ in range(2):
+            u, state = tx.update(g, state, p)
+            p = optax.apply_updates(p, u)
+        return p, state
+
+    p, state = jax.jit(jax.vmap(worker, axis_name="w"))(params, params)
+    for tree in (p, state.global_params, state.delta, state.filtered):
+        assert all(x.dtype == dtype for x in jax.tree.leaves(tree))
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(p))

@@ -3,6 +3,7 @@
 included), and every row either has a case for each contract or says why not."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 from contract_table import ROWS, TABLE, public_factories, public_helpers
@@ -49,3 +50,11 @@ def test_every_row_has_a_case_or_a_reason(row):
 
 def test_only_the_wrapper_escapes_the_nonfinite_contract():
     assert [row.name for row in ROWS if isinstance(row.nonfinite, str)] == ["skip_nonfinite"]
+
+
+def test_the_shard_map_job_runs_every_row():
+    # tests/jobs/mesh_cases.py (run by tests/test_shard_map.py in a process of its own,
+    # on 8 host devices) builds its cases by hand: each row's factory must be among them.
+    source = (Path(__file__).parent / "jobs" / "mesh_cases.py").read_text()
+    missing = [row.name for row in ROWS if f"optim.{row.name}(" not in source]
+    assert not missing, f"tests/jobs/mesh_cases.py runs no case of {missing}"

@@ -80,3 +80,29 @@ def test_params_are_required(name):
     update = jax.vmap(lambda g, s: tx.update(g, s), axis_name="workers")
     with pytest.raises(ValueError, match=f"^{name} needs params: call update"):
         update(params, state)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_low_precision_model_under_strict_promotion(name, dtype):
+    # The session's dtype promotion is strict (tests/conftest.py): a half-precision model
+    # traces through init and two updates with every mix of dtypes cast explicitly (a
+    # schedule's float32, float32 accumulators and error feedback), and the updates keep
+    # the model's dtype.
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
+    row = TABLE[name]
+    if row.two_tier:
+        tx, lead = row.build(AxisCollective("w", 4).split(2)), (2, 2)
+        on = lambda fn: jax.vmap(jax.vmap(fn, axis_name="member"), axis_name="group")
+    else:
+        tx, lead = row.build(AxisCollective("w", 2)), (2,)
+        on = lambda fn: jax.vmap(fn, axis_name="w")
+    params = {"b": jnp.zeros(lead + (2,), dtype), "w": jnp.zeros(lead + (3, 4), dtype)}
+
+    def worker(p, g):
+        state = tx.init(p)
+        u, state = tx.update(g, state, p)
+        return tx.update(g, state, optax.apply_updates(p, u))
+
+    updates, _ = jax.eval_shape(on(worker), params, params)
+    assert all(u.dtype == jnp.dtype(dtype) for u in jax.tree.leaves(updates))
