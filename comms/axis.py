@@ -35,6 +35,7 @@ from shoal.comms.collective import (
     sum_rows,
     switch_ppermute,
 )
+from shoal.dtypes import promote_types
 
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -219,7 +220,7 @@ class AxisCollective:
         self._check_axis()
         if not self.simulated():
             return all_to_all_sum(self, x)
-        acc = jnp.promote_types(x.dtype, jnp.float32)
+        acc = promote_types(x.dtype, jnp.float32)
         total = sum_rows(lax.all_gather(x, self.axis_name).astype(acc))  # [size, ...]
         return total[lax.axis_index(self.axis_name)]
 

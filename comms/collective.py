@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shoal.checks import check_int
+from shoal.dtypes import promote_types
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
@@ -225,7 +226,7 @@ def reduce_scatter(collective: Collective, x: jax.Array) -> jax.Array:
 def all_to_all_sum(collective: Collective, x: jax.Array) -> jax.Array:
     """`reduce_scatter` as an all-to-all over ``collective``, then this worker's rows summed
     (`sum_rows`) in ``float32`` or wider."""
-    acc = jnp.promote_types(x.dtype, jnp.float32)
+    acc = promote_types(x.dtype, jnp.float32)
     return sum_rows(collective.all_to_all(x).astype(acc))
 
 

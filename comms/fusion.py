@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shoal.checks import check_int
+from shoal.dtypes import promote_types
 
 # Automatic buffer size: about this many buffers per iteration (the paper's 86684 KB buffer
 # is about 1/8 of BERT-large's 680 MB fp16 gradient), but no shard below MIN_SHARD_BYTES,
@@ -75,7 +76,7 @@ def _buffer_dtype(dtypes: tuple[np.dtype, ...]) -> np.dtype:
             f"dtypes {sorted({str(d) for d in dtypes})}"
         )
     # The promoted type holds every leaf exactly (e.g. bfloat16 + float16 -> float32).
-    return np.dtype(jnp.result_type(*dtypes))
+    return promote_types(*dtypes)
 
 
 def auto_buffer_bytes(total_bytes: int, num_shards: int, itemsize: int = 4) -> int:

@@ -26,6 +26,7 @@ from jax import lax
 
 from shoal.comms.collective import check_all_to_all, check_op, check_perm, check_root, check_size
 from shoal.comms.wire import tree_nbytes
+from shoal.dtypes import apply_updates
 
 _LOGS: dict[int, list] = {}
 _LOCK = threading.Lock()
@@ -201,7 +202,7 @@ def record_events(
              zip(keys, leaves)],
         )  # fmt: skip
         updates, state = tx.update(grads, state, params)
-        return (optax.apply_updates(params, updates), state), None
+        return (apply_updates(params, updates), state), None
 
     run = jax.jit(lambda p: lax.scan(step, (p, tx.init(p)), jnp.arange(steps))[0])
     try:

@@ -23,6 +23,7 @@ from typing import Any
 
 import optax
 
+from shoal.dtypes import apply_updates
 from shoal.optim.validation import checked
 
 __all__ = ["ApplyingTransformation", "applying_transformation", "update_and_apply"]
@@ -112,4 +113,4 @@ def update_and_apply(
     if step is not None:
         return step(updates, state, params, **extra_args)
     new_updates, state = tx.update(updates, state, params, **extra_args)
-    return optax.apply_updates(params, new_updates), state
+    return apply_updates(params, new_updates), state

@@ -25,6 +25,7 @@ from shoal.comms.gradient_order import broadcast_order
 from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes
+from shoal.dtypes import promote_types
 from shoal.optim.validation import check_collective, checked
 
 
@@ -169,7 +170,7 @@ def _reduce(buf, plan: FusionPlan, b: int, collective, intra, servers, tag):
     enough for the sum."""
     local = intra.size if intra is not None else 1
     k = plan.shard_sizes[b]
-    acc = jnp.promote_types(plan.dtype, jnp.float32)
+    acc = promote_types(plan.dtype, jnp.float32)
     part = buf
     if intra is not None:
         # Step 1: reduce-scatter inside the node; local rank l keeps slice l, summed.
@@ -204,7 +205,7 @@ def _mean_by_leaf(updates, dtype, tiers, workers):
     """`_reduce`'s arithmetic leaf by leaf: each leaf as sent (``dtype``), summed over the
     workers of every tier in a float type wide enough, sent back as ``dtype``, then
     divided by the number of workers."""
-    acc = jnp.promote_types(dtype, jnp.float32)
+    acc = promote_types(dtype, jnp.float32)
 
     def one(x):
         total = x.astype(dtype).astype(acc)

@@ -30,6 +30,7 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.dtypes import apply_updates, promote_types
 from shoal.optim.applying import applying_transformation
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
@@ -288,9 +289,9 @@ def block_update_filtering(
         if warmup_steps:
             updates = run_if(in_warmup, lambda g: collective.all_reduce(g, "mean"), updates)
         local_updates, local_state = local.update(updates, state.inner_state, params, **extra_args)
-        first = optax.apply_updates(params, local_updates) if apply else local_updates
+        first = apply_updates(params, local_updates) if apply else local_updates
         # This worker's model after its local step.
-        local_model = (lambda out: out) if apply else (lambda out: optax.apply_updates(params, out))
+        local_model = (lambda out: out) if apply else (lambda out: apply_updates(params, out))
 
         # Each step below rewrites the carry in place (`run_if`): a local step leaves the
         # global model, delta and filtered buffers untouched instead of copying them.
@@ -350,8 +351,15 @@ def block_update_filtering(
 
 
 def _lin(a, x, b, y):
-    """``a x + b y`` leaf-wise, kept in ``x``'s dtype."""
-    return jax.tree.map(lambda u, v: (a * u + b * v).astype(u.dtype), x, y)
+    """``a x + b y`` leaf-wise, kept in ``x``'s dtype: computed in the promoted dtype of the
+    four (a schedule's float32 with bfloat16 leaves: float32), with the casts explicit."""
+
+    def one(u, v):
+        wide = promote_types(a, u, b, v)
+        a_, u_, b_, v_ = (jnp.asarray(t).astype(wide) for t in (a, u, b, v))
+        return (a_ * u_ + b_ * v_).astype(u.dtype)
+
+    return jax.tree.map(one, x, y)
 
 
 def _cast_like(tree, like):

@@ -28,6 +28,7 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
+from shoal.dtypes import promote_types
 from shoal.kernels.dct_reference import chunk_dct, chunk_idct
 from shoal.optim.validation import (
     check_collective,
@@ -108,7 +109,7 @@ def _decode(vals: jax.Array, idx: jax.Array, plan: _Plan, dtype: Any, scale: flo
 def _memory_dtype(x: Any) -> Any:
     # At least float32: a bfloat16 momentum would round away part of what is not sent
     # at every step, and that gradient mass would be lost for good.
-    return jnp.promote_types(jnp.result_type(x), jnp.float32)
+    return promote_types(jnp.result_type(x), jnp.float32)
 
 
 # The largest topk: every element of a full 2-D chunk.
@@ -244,7 +245,7 @@ def demo(
         for i, (g, m, plan) in enumerate(zip(grads, moms, plans)):
             if plan is None:
                 continue
-            acc = jnp.promote_types(m.dtype, jnp.float32)
+            acc = promote_types(m.dtype, jnp.float32)
             m_acc = momentum * m.astype(acc) + g.astype(acc)
             coeffs = chunk_dct(m_acc.reshape(plan.rows, plan.cols), plan.h, plan.w)
             _, idx = lax.top_k(jnp.abs(coeffs), plan.k)

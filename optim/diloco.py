@@ -29,6 +29,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter
+from shoal.dtypes import apply_updates
 from shoal.optim.applying import applying_transformation
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
@@ -190,11 +191,11 @@ def diloco(
         # costs an inner step under vmap too, not a select over the outer step.
         step = uniform_over(collective, state.step)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        first = optax.apply_updates(params, inner_updates) if apply else inner_updates
+        first = apply_updates(params, inner_updates) if apply else inner_updates
 
         def outer_step(carry):
             out, outer_state, theta_g, rounds, _, memory = carry
-            local = out if apply else optax.apply_updates(params, out)
+            local = out if apply else apply_updates(params, out)
             # Average the workers' distances from theta_g, not their models: the same
             # bytes, and a mean of small differences loses less precision.
             diff = jax.tree.map(jnp.subtract, theta_g, local)
@@ -203,7 +204,7 @@ def diloco(
             )
             delta = _cast_like(delta, theta_g)
             u, new_outer = outer.update(delta, outer_state, theta_g)
-            theta_g = optax.apply_updates(theta_g, u)
+            theta_g = apply_updates(theta_g, u)
             if apply:  # every worker restarts from theta_g itself
                 restart = _cast_like(theta_g, out)
             else:

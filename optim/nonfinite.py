@@ -63,6 +63,7 @@ from shoal import vma
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.dtypes import apply_updates
 from shoal.optim.applying import ApplyingTransformation, update_and_apply
 from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
 from shoal.optim.prefetch import PREFETCHED
@@ -349,7 +350,7 @@ def skip_nonfinite(
         carry = (params, state.inner_state)
         if not jax.tree.leaves(updates) or not keeps_shape(run, carry):
             new_updates, state = update_fn(updates, state, params, **extra_args)
-            return optax.apply_updates(params, new_updates), state
+            return apply_updates(params, new_updates), state
         bad, wire = flag(updates)
         params, inner_state = run_if(bad == 0, run, carry)
         return params, counted(state, bad, _idle_unless(bad == 0, inner_state), wire)

@@ -308,7 +308,9 @@ def two_stage(name, state_type, h: Hyper, *, init, warmup, scales, compressed, h
     return optax.GradientTransformationExtraArgs(init_fn, checked(name, state_type, update_fn))
 
 
-def onebit_moments(state: OneBitAdamState | OneBitLambState, like: Any, *, collective: Collective):
+def onebit_moments(
+    state: OneBitAdamState | OneBitLambState, like: Any, *, collective: Collective
+) -> dict[str, Any]:
     """The moments of a 1-bit Adam or LAMB state whole, however the state holds them.
 
     Param-shaped trees, the same on every worker; on simulated workers each worker holds

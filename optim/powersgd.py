@@ -33,6 +33,7 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.dtypes import promote_types
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import check_collective, check_floating_leaves, checked
 
@@ -70,7 +71,7 @@ class _Leaf(NamedTuple):
 
 
 def _plan(shape: tuple[int, ...], dtype: Any, rank: int, min_compression: float) -> _Leaf:
-    compute = np.dtype(jnp.promote_types(dtype, jnp.float32))
+    compute = promote_types(dtype, jnp.float32)
     if len(shape) < 2:
         return _Leaf(0, 0, 0, compute)
     n, m = int(shape[0]), int(math.prod(shape[1:]))

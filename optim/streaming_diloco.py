@@ -39,6 +39,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
+from shoal.dtypes import apply_updates
 from shoal.optim.diloco import _cast_like, check_outer_args
 from shoal.optim.inplace import run_if
 from shoal.optim.validation import (
@@ -324,7 +325,7 @@ def streaming_diloco(
 
             def sync(carry, idx=idx, params_p=params_p, inner_p=inner_p, nbytes=nbytes):
                 out_p, outer_state, theta_p, memory, _, rounds, wire = carry
-                local = optax.apply_updates(params_p, inner_p)
+                local = apply_updates(params_p, inner_p)
                 # All-reduce the distances from theta_g, not the models (as diloco).
                 diff = [g - x for g, x in zip(theta_p, local)]
                 delta, memory, _ = tree_mean(
@@ -335,7 +336,7 @@ def streaming_diloco(
                 u, new_outer = outer.update(
                     fragment_tree(treedef, n_leaves, idx, delta), outer_state, theta_tree
                 )
-                theta_p = jax.tree.leaves(optax.apply_updates(theta_tree, u))
+                theta_p = jax.tree.leaves(apply_updates(theta_tree, u))
                 if overlap == 0:
                     out_p = [(g - x).astype(o.dtype) for g, x, o in zip(theta_p, params_p, out_p)]
                     due = jnp.zeros((), jnp.int32)
@@ -375,7 +376,7 @@ def streaming_diloco(
 
                 def merge(carry, params_p=params_p, inner_p=inner_p, theta_p=theta_p):
                     out_p, _ = carry
-                    local = optax.apply_updates(params_p, inner_p)
+                    local = apply_updates(params_p, inner_p)
                     merged = [mix * x + (1.0 - mix) * g for x, g in zip(local, theta_p)]
                     out_p = [(m - x).astype(o.dtype) for m, x, o in zip(merged, params_p, out_p)]
                     return out_p, jnp.zeros((), jnp.int32)

@@ -29,3 +29,14 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_em
 for _flag in TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+# Strict dtype promotion for the whole session: a mix of dtypes (bfloat16 + float32, a
+# Python float times an int32 counter) must be cast explicitly, so an accidental widening
+# (a bfloat16 model silently updated in float32) fails here. Third-party code that is not
+# strict-clean runs relaxed only where a test calls it (`shoal.dtypes.standard_promotion`
+# around optax's Adam family: `harness.adam`, `harness.adamw`). The notebooks run in their
+# own kernels, under standard promotion.
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 
 from shoal.comms import AxisCollective, two_tier
+from shoal.dtypes import standard_promotion
 
 N_WORKERS = 4
 QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
@@ -135,3 +137,13 @@ def assert_same_run(other: list[dict], sim: list[dict], runs: int) -> None:
         [r["density"] for r in other if "density" in r],
         [r["density"] for r in sim if "density" in r],
     )
+
+
+# optax's Adam family under standard promotion (`shoal.dtypes.standard_promotion`): the
+# test session is strict (tests/conftest.py) and optax 0.2.8's bias correction is not.
+def adam(*args, **kwargs):
+    return standard_promotion(optax.adam(*args, **kwargs))
+
+
+def adamw(*args, **kwargs):
+    return standard_promotion(optax.adamw(*args, **kwargs))

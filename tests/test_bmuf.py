@@ -6,47 +6,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from block_cases import (
+    BMUF_VARIANTS,
+    block_worker,
+    bmuf_block_update,
+    flat,
+    linear_problem,
+    loss,
+    optax_outer_reference,
+)
 from harness import n_workers, run_workers, world
 from jax import lax
 
-from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms import AxisCollective
 from shoal.comms.wire import all_reduce_bytes
 from shoal.optim import update_and_apply
 from shoal.optim.bmuf import BMUFState, bmuf
 
 N = n_workers()
-D, K, S = 4, 2, 8  # features, outputs, samples per worker
-RNG = np.random.default_rng(0)
-X = RNG.normal(size=(N, S, D)).astype(np.float32)
-Y = (X @ RNG.normal(size=(D, K)) + RNG.normal(size=(N, 1, K))).astype(np.float32)
 # Different initial params per worker: the workers must broadcast rank 0's before init.
-P0 = {
-    "b": RNG.normal(size=(N, K)).astype(np.float32),
-    "w": RNG.normal(size=(N, D, K)).astype(np.float32),
-}
-N_BYTES = 4 * (K + D * K)
+PROBLEM = linear_problem(seed=0, n=N)
+X, Y, P0, grad_np = PROBLEM.x, PROBLEM.y, PROBLEM.p0, PROBLEM.grad
+N_BYTES = PROBLEM.n_bytes
 LR = 0.1
-VARIANTS = {
-    "classic": dict(nesterov=False),
-    "seed": dict(nesterov=True, nbm="seed"),
-    "chen_huo": dict(nesterov=True, nbm="chen_huo"),
-}
-
-
-def loss(p, x, y):
-    return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
-
-
-def flat(p):
-    """Param tree (leading axes allowed) -> vector in jax.tree.leaves order: b, then w."""
-    b, w = np.asarray(p["b"]), np.asarray(p["w"])
-    return np.concatenate([b.reshape(*b.shape[:-1], -1), w.reshape(*w.shape[:-2], -1)], -1)
-
-
-def grad_np(theta, i):
-    b, w = theta[:K], theta[K:].reshape(D, K)
-    r = X[i] @ w + b - Y[i]
-    return np.concatenate([r.mean(0), (X[i].T @ r / S).ravel()])
+VARIANTS = BMUF_VARIANTS
 
 
 def oracle(steps, block_size, variant, zeta, eta, mu=0.0, warmup=0, reset=False):
@@ -69,15 +52,9 @@ def oracle(steps, block_size, variant, zeta, eta, mu=0.0, warmup=0, reset=False)
             w_g, w_filtered = theta[0].copy(), theta[0].copy()
         elif (step + 1 - warmup) % block_size == 0:
             t += 1
-            big_g = theta.mean(0) - w_g
-            delta = eta(t) * delta + zeta(t) * big_g
-            if variant == "classic":
-                w_g = w_g + delta
-            elif variant == "seed":
-                w_g = w_g + delta + eta(t + 1) * delta
-            else:
-                w_filtered = w_filtered + delta
-                w_g = w_filtered + eta(t + 1) * delta
+            w_g, w_filtered, delta = bmuf_block_update(
+                w_g, w_filtered, delta, theta.mean(0), zeta(t), eta(t), eta(t + 1), variant
+            )
             theta = np.tile(w_g, (N, 1))
             if reset:
                 mom[:] = 0.0
@@ -86,28 +63,10 @@ def oracle(steps, block_size, variant, zeta, eta, mu=0.0, warmup=0, reset=False)
 
 
 def train(tx, steps, apply=False):
-    """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
-    params, W_g and wire bytes after every step, and the final state. ``apply``: each step
-    by `update_and_apply` (the params in BMUF's in-place branch), else the optax way."""
-
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        opt = tx(coll)
-        state = opt.init(params)
-
-        def body(carry, _):
-            p, s = carry
-            if apply:
-                p, s = update_and_apply(opt, jax.grad(loss)(p, x, y), s, p)
-            else:
-                u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-                p = optax.apply_updates(p, u)
-            return (p, s), (p, s.global_params, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, state), None, length=steps)
-        return traj, state
-
-    return run_workers(worker, P0, X, Y)
+    """`block_worker` on every worker: the params, W_g and wire bytes after every step, and
+    the final state. ``apply``: each step by `update_and_apply` (the params in BMUF's
+    in-place branch), else the optax way."""
+    return run_workers(block_worker(tx, steps, apply=apply), P0, X, Y)
 
 
 def constant(v):
@@ -126,11 +85,15 @@ def test_matches_oracle(variant, hyper, path):
         kwargs = dict(block_lr=0.8, block_momentum=0.6)
         zeta, eta = constant(0.8), constant(0.6)
     elif hyper == "lr-schedule":  # default eta_t = 1 - zeta_t / N
-        kwargs = dict(block_lr=lambda s: 1.0 + 0.2 * s)
+        kwargs = dict(block_lr=lambda s: 1.0 + 0.2 * s.astype(jnp.float32))
         zeta = lambda t: 1.0 + 0.2 * (t - 1)
         eta = lambda t: 1.0 - zeta(t) / N
     else:  # schedules are called with s = t - 1
-        kwargs = dict(block_lr=lambda s: 0.8 + 0.1 * s, block_momentum=lambda s: 0.3 + 0.1 * s)
+        # A schedule gets the int32 block count (as optax's do): cast before mixing in floats.
+        f32 = lambda s: s.astype(jnp.float32)
+        kwargs = dict(
+            block_lr=lambda s: 0.8 + 0.1 * f32(s), block_momentum=lambda s: 0.3 + 0.1 * f32(s)
+        )
         zeta, eta = (lambda t: 0.8 + 0.1 * (t - 1)), (lambda t: 0.3 + 0.1 * (t - 1))
     tx = lambda c: bmuf(
         optax.sgd(LR), collective=c, block_size=block_size, **VARIANTS[variant], **kwargs
@@ -208,17 +171,7 @@ def test_one_worker_unit_lr_zero_momentum_leaves_the_model(variant, path):
 
 def outer_reference(outer, steps_per_block, blocks):
     """Block training with an optax outer optimizer on the outer gradient W_g - Wbar."""
-    theta = jnp.asarray(flat(P0)[0])
-    state = outer.init(theta)
-    restarts = []
-    for _ in range(blocks):
-        local = np.tile(np.asarray(theta, np.float64), (N, 1))
-        for _ in range(steps_per_block):
-            local = local - LR * np.stack([grad_np(local[i], i) for i in range(N)])
-        u, state = outer.update(theta - jnp.asarray(local.mean(0), jnp.float32), state, theta)
-        theta = optax.apply_updates(theta, u)
-        restarts.append(np.asarray(theta))
-    return np.stack(restarts)
+    return optax_outer_reference(PROBLEM, outer, LR, steps_per_block, blocks, N)
 
 
 @pytest.mark.mpi
@@ -384,3 +337,26 @@ def test_default_resets_momentum_and_does_not_diverge():
     assert default[:, -10:].mean() < 0.25 * first
     kept = _momentum_inner_losses(False)
     assert not np.all(np.isfinite(kept)) or np.nanmax(kept) > 20 * first
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_schedules_with_a_half_precision_model(dtype):
+    # Under strict promotion (tests/conftest.py) a schedule's float32 block rate and
+    # momentum meet the model's half precision in a x + b y: cast explicitly, computed in
+    # float32 and stored in the model's dtype.
+    schedule = optax.linear_schedule(0.8, 0.5, 4)
+    tx = bmuf(optax.sgd(LR), collective=AxisCollective("w", 2), block_size=1,
+              block_lr=schedule, block_momentum=schedule, nbm="chen_huo")  # fmt: skip
+    params = {"b": jnp.ones((2, 2), dtype), "w": jnp.ones((2, 3, 2), dtype)}
+
+    def worker(p, g):
+        state = tx.init(p)
+        for _ in range(2):
+            u, state = tx.update(g, state, p)
+            p = optax.apply_updates(p, u)
+        return p, state
+
+    p, state = jax.jit(jax.vmap(worker, axis_name="w"))(params, params)
+    for tree in (p, state.global_params, state.delta, state.filtered):
+        assert all(x.dtype == dtype for x in jax.tree.leaves(tree))
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(p))

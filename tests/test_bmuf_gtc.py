@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from block_cases import BMUF_VARIANTS, bmuf_block_update, flat, linear_problem, loss
 from harness import n_workers, run_two_tier, run_workers, tiers, world
 from jax import lax
 
@@ -17,37 +18,12 @@ from shoal.optim.bmuf_gtc import bmuf_gtc
 from shoal.optim.gtc import GTCState, gtc
 
 N = n_workers()
-D, K, S = 4, 2, 8  # features, outputs, samples per worker
-RNG = np.random.default_rng(1)
-X = RNG.normal(size=(N, S, D)).astype(np.float32)
-Y = (X @ RNG.normal(size=(D, K)) + RNG.normal(size=(N, 1, K))).astype(np.float32)
-P0 = {
-    "b": RNG.normal(size=(N, K)).astype(np.float32),
-    "w": RNG.normal(size=(N, D, K)).astype(np.float32),
-}
-N_ELEM = K + D * K  # fused GTC buffer: b, then w (jax.tree.leaves order)
-N_BYTES = 4 * N_ELEM
+PROBLEM = linear_problem(seed=1, n=N)
+X, Y, P0, grad_np = PROBLEM.x, PROBLEM.y, PROBLEM.p0, PROBLEM.grad
+N_ELEM = PROBLEM.n_elements  # fused GTC buffer: b, then w (jax.tree.leaves order)
+N_BYTES = PROBLEM.n_bytes
 LR, TAU, CAP = 0.1, 0.3, 4  # CAP < N_ELEM: the capacity rule is exercised
-VARIANTS = {
-    "classic": dict(nesterov=False),
-    "seed": dict(nesterov=True, nbm="seed"),
-    "chen_huo": dict(nesterov=True, nbm="chen_huo"),
-}
-
-
-def loss(p, x, y):
-    return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
-
-
-def flat(p):
-    b, w = np.asarray(p["b"]), np.asarray(p["w"])
-    return np.concatenate([b.reshape(*b.shape[:-1], -1), w.reshape(*w.shape[:-2], -1)], -1)
-
-
-def grad_np(theta, i):
-    b, w = theta[:K], theta[K:].reshape(D, K)
-    r = X[i] @ w + b - Y[i]
-    return np.concatenate([r.mean(0), (X[i].T @ r / S).ravel()])
+VARIANTS = BMUF_VARIANTS
 
 
 def oracle(steps, block_size, group_size, variant, mu=0.0, reset=False):
@@ -79,14 +55,9 @@ def oracle(steps, block_size, group_size, variant, mu=0.0, reset=False):
         mom = mu * mom + agg
         models = models - LR * mom
         if (step + 1) % block_size == 0:
-            delta = eta * delta + zeta * (models.mean(0) - w_g)
-            if variant == "classic":
-                w_g = w_g + delta
-            elif variant == "seed":
-                w_g = w_g + (1 + eta) * delta
-            else:
-                w_filtered = w_filtered + delta
-                w_g = w_filtered + eta * delta
+            w_g, w_filtered, delta = bmuf_block_update(
+                w_g, w_filtered, delta, models.mean(0), zeta, eta, eta, variant
+            )
             models = np.tile(w_g, (n_groups, 1))
             if reset:
                 mom[:] = 0.0

@@ -10,6 +10,7 @@ import optax
 import pytest
 from harness import n_workers, run_workers, world
 from jax import lax
+from parabola_cases import START, TARGET, descend, on_workers
 
 from shoal.comms import AxisCollective, wire_bytes
 from shoal.optim import allreduce_gradients
@@ -304,30 +305,12 @@ def test_docstring_example_runs():
     assert result.failed == 0 and result.attempted > 0
 
 
-def _on_workers(fn, *args, n=4):
-    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), args)
-    return jax.vmap(fn, axis_name="workers")(*stacked)
-
-
 def test_optimises_parabola():
     """optax's contract test: signum steps with a decaying rate reach the optimum."""
     coll = AxisCollective("workers", 4)
     tx = optax.chain(demo(collective=coll), optax.sgd(optax.linear_schedule(0.05, 0.0, 1500)))
-    target = jnp.array([1.0, -1.0, 1.0])
-    grad = jax.grad(lambda p: jnp.sum((p - target) ** 2))
-
-    @jax.jit
-    def train(params):
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(grad(p), s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        state = optax.tree_utils.tree_map_params(tx, lambda v: v, tx.init(params))
-        return lax.scan(body, (params, state), None, length=1500)[0][0]
-
-    p = _on_workers(train, jnp.array([-1.0, 10.0, 3.0]))
-    np.testing.assert_allclose(p, np.broadcast_to(target, (4, 3)), rtol=3e-2, atol=3e-2)
+    p = on_workers(jax.jit(lambda p: descend(tx, p, 1500)), START, n=4)
+    np.testing.assert_allclose(p, np.broadcast_to(TARGET, (4, 3)), rtol=3e-2, atol=3e-2)
 
 
 def test_can_be_wrapped_in_inject_hyperparams():
@@ -343,8 +326,10 @@ def test_can_be_wrapped_in_inject_hyperparams():
     def step(tx, g, p):
         return tx.update(g, tx.init(p), p)
 
-    u, s = jax.jit(lambda g, p: _on_workers(lambda g, p: step(plain, g, p), g, p))(grads, params)
-    ui, si = jax.jit(lambda g, p: _on_workers(lambda g, p: step(injected, g, p), g, p))(
+    u, s = jax.jit(lambda g, p: on_workers(lambda g, p: step(plain, g, p), g, p, n=4))(
+        grads, params
+    )
+    ui, si = jax.jit(lambda g, p: on_workers(lambda g, p: step(injected, g, p), g, p, n=4))(
         grads, params
     )
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4), u, ui)

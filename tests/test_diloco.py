@@ -6,25 +6,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import n_workers, run_workers, world
+from block_cases import (
+    block_worker,
+    flat,
+    linear_problem,
+    loss,
+    nesterov_outer_step,
+    optax_outer_reference,
+)
+from harness import adam, adamw, n_workers, run_workers, world
 from jax import lax
 
-from shoal.comms import AxisCollective, Quantized, TopK, wire_bytes
+from shoal.comms import AxisCollective, Quantized, TopK
 from shoal.comms.wire import all_reduce_bytes
-from shoal.optim import allreduce_gradients, bmuf, update_and_apply
+from shoal.optim import allreduce_gradients, bmuf
 from shoal.optim.diloco import DiLoCoState, diloco
 
 N = n_workers()
-D, K, S = 4, 2, 8  # features, outputs, samples per worker
-RNG = np.random.default_rng(1)
-X = RNG.normal(size=(N, S, D)).astype(np.float32)
-Y = (X @ RNG.normal(size=(D, K)) + RNG.normal(size=(N, 1, K))).astype(np.float32)
 # Different initial params per worker: the workers must broadcast rank 0's before init.
-P0 = {
-    "b": RNG.normal(size=(N, K)).astype(np.float32),
-    "w": RNG.normal(size=(N, D, K)).astype(np.float32),
-}
-N_BYTES = 4 * (K + D * K)
+PROBLEM = linear_problem(seed=1, n=N)
+X, Y, P0, grad_np = PROBLEM.x, PROBLEM.y, PROBLEM.p0, PROBLEM.grad
+N_BYTES = PROBLEM.n_bytes
 LR, MU = 0.1, 0.9  # inner SGD with momentum
 OUTER_LR, OUTER_MU = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -33,22 +35,6 @@ QTOL = dict(rtol=0, atol=0.05)  # int8 blocks of 2 values: 1/254 of the block's 
 
 def nesterov_outer():
     return optax.sgd(OUTER_LR, momentum=OUTER_MU, nesterov=True)
-
-
-def loss(p, x, y):
-    return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
-
-
-def flat(p):
-    """Param tree (leading axes allowed) -> vector in jax.tree.leaves order: b, then w."""
-    b, w = np.asarray(p["b"]), np.asarray(p["w"])
-    return np.concatenate([b.reshape(*b.shape[:-1], -1), w.reshape(*w.shape[:-2], -1)], -1)
-
-
-def grad_np(theta, i):
-    b, w = theta[:K], theta[K:].reshape(D, K)
-    r = X[i] @ w + b - Y[i]
-    return np.concatenate([r.mean(0), (X[i].T @ r / S).ravel()])
 
 
 def oracle(workers, steps, sync_every):
@@ -66,9 +52,7 @@ def oracle(workers, steps, sync_every):
         mom = MU * mom + g
         theta = theta - LR * mom
         if (step + 1) % sync_every == 0:
-            delta = theta_g - theta.mean(0)
-            trace = delta + OUTER_MU * trace
-            theta_g = theta_g - OUTER_LR * (delta + OUTER_MU * trace)
+            theta_g, trace = nesterov_outer_step(theta_g, trace, theta.mean(0), OUTER_LR, OUTER_MU)
             theta = np.tile(theta_g, (workers, 1))
         params.append(theta.copy())
         glob.append(theta_g.copy())
@@ -76,28 +60,10 @@ def oracle(workers, steps, sync_every):
 
 
 def worker_fn(tx, steps, apply=False):
-    """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
-    params, theta_g and this step's wire bytes after every step, and the final state.
-    ``apply``: each step by `update_and_apply` (the params in the outer step's branch)."""
-
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        opt = tx(coll)
-        state = opt.init(params)
-
-        def body(carry, _):
-            p, s = carry
-            if apply:
-                p, s = update_and_apply(opt, jax.grad(loss)(p, x, y), s, p)
-            else:
-                u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-                p = optax.apply_updates(p, u)
-            return (p, s), (p, s.global_params, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, state), None, length=steps)
-        return traj, state
-
-    return worker
+    """`block_worker`: the params, theta_g and this step's wire bytes after every step,
+    and the final state. ``apply``: each step by `update_and_apply` (the params in the
+    outer step's branch)."""
+    return block_worker(tx, steps, apply=apply)
 
 
 def dilo(sync_every, **kwargs):
@@ -147,7 +113,7 @@ def test_sync_every_one_unit_outer_lr_averages_the_inner_steps():
     nonlinear inner such as Adam, each worker keeps its own moments)."""
     workers, steps = 3, 5
     coll = AxisCollective("w", workers)
-    inner = optax.adam(0.05)
+    inner = adam(0.05)
     tx = diloco(inner, collective=coll, sync_every=1, outer=optax.sgd(1.0))
     args = jax.tree.map(lambda a: a[:workers], (P0, X, Y))
 
@@ -208,7 +174,7 @@ def test_equals_bmuf_chen_huo_without_reset(inner):
     sync_every, steps = 3, 9
     make = {
         "sgd_momentum": lambda: optax.sgd(LR, momentum=MU),
-        "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
+        "adamw": lambda: adamw(0.05, weight_decay=0.1),
     }[inner]
     got = run_workers(
         worker_fn(
@@ -237,20 +203,14 @@ def test_equals_bmuf_chen_huo_without_reset(inner):
 def test_outer_adam_matches_optax_reference():
     """Any optax outer optimizer: theta_g steps with outer.update(theta_g - mean theta_i)."""
     workers, sync_every, rounds = 3, 2, 3
-    outer = optax.adam(0.3)
+    outer = adam(0.3)
     coll = AxisCollective("w", workers)
     args = jax.tree.map(lambda a: a[:workers], (P0, X, Y))
     tx = lambda c: diloco(optax.sgd(LR), collective=c, sync_every=sync_every, outer=outer)
     run = jax.jit(jax.vmap(lambda *a: worker_fn(tx, sync_every * rounds)(coll, *a), axis_name="w"))
     (params, theta_g, _), _ = run(*args)
-    theta = jnp.asarray(flat(P0)[0])
-    state = outer.init(theta)
-    for r in range(rounds):
-        local = np.tile(np.asarray(theta, np.float64), (workers, 1))
-        for _ in range(sync_every):
-            local = local - LR * np.stack([grad_np(local[i], i) for i in range(workers)])
-        u, state = outer.update(theta - jnp.asarray(local.mean(0), jnp.float32), state, theta)
-        theta = optax.apply_updates(theta, u)
+    restarts = optax_outer_reference(PROBLEM, outer, LR, sync_every, rounds, workers)
+    for r, theta in enumerate(restarts):
         at = sync_every * (r + 1) - 1
         np.testing.assert_allclose(flat(theta_g)[:, at], np.tile(theta, (workers, 1)), **TOL)
         np.testing.assert_allclose(flat(params)[:, at], np.tile(theta, (workers, 1)), **TOL)

@@ -6,6 +6,7 @@ import doctest
 import inspect
 
 import pytest
+from contract_table import TABLE
 
 import shoal.comms as comms
 import shoal.kernels as kernels
@@ -13,8 +14,6 @@ import shoal.optim as optim
 from shoal.comms.axis import AxisCollective
 
 FUNCTIONS = sorted(name for name in optim.__all__ if inspect.isfunction(getattr(optim, name)))
-# Factories return a GradientTransformation; the rest are helpers that read one.
-HELPERS = {"noise_scale", "peer_permutation", "pgx_partition"}
 METHODS = sorted(
     name
     for name, member in vars(AxisCollective).items()
@@ -39,6 +38,15 @@ def test_optim_docstring_sections(name):
     assert ">>>" in doc, f"{name}'s Example has no doctest"
     # help() shows only this docstring: no pointers to equations it does not contain.
     assert "above" not in doc, f"{name}'s docstring refers to text above it"
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_factory_docstring_names_its_state(name):
+    # The factories are the contract table's rows (tests/contract_table.py); the other
+    # exported functions read or run a transformation.
+    doc = inspect.getdoc(TABLE[name].factory)
+    returns = doc.split("Returns:")[1].split("Example:")[0]
+    assert TABLE[name].state.__name__ in returns, f"{name}'s Returns does not name its state"
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
@@ -131,6 +139,7 @@ def test_comms_kernels_docstring_example_runs(module_name, name):
     ("module", "examples"),
     [
         ("shoal.checks", 2),
+        ("shoal.dtypes", 2),
         ("shoal.experiments.config", 2),
         # Where an algorithm's hyper-parameters live, and how a new one is written.
         ("shoal.experiments.algorithms", 2),

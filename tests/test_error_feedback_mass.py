@@ -30,6 +30,7 @@ from jax import lax
 
 from shoal.comms import AxisCollective, OneBit, Quantized, TopK
 from shoal.comms.compressor import tree_mean
+from shoal.dtypes import apply_updates
 from shoal.optim import (
     demo,
     diloco,
@@ -91,7 +92,8 @@ def simulate(tx, grads, params_dtype, observe, final, round_memory=None, apply=F
             if round_memory is not None:
                 s = round_memory(s)
             seen = observe(u, s, p)
-            return (optax.apply_updates(p, u) if apply else p, s), seen
+            # float32 params, bfloat16 updates: the promotion spelled out (strict session).
+            return (apply_updates(p, u) if apply else p, s), seen
 
         (p, s), seen = lax.scan(body, (params, tx.init(params)), gs)
         return seen, final(s, p)

@@ -5,15 +5,12 @@ before any collective runs."""
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from contract_table import TABLE
 
-import shoal.optim as optim
 from shoal.comms import (
     AxisCollective,
     Float32,
@@ -25,56 +22,17 @@ from shoal.comms import (
     quantized_allreduce,
 )
 
-# name -> builder(collective); bmuf_gtc gets (intra, inter).
-BUILDERS = {
-    "allreduce_gradients": lambda c: optim.allreduce_gradients(collective=c),
-    "bfb_allreduce": lambda c: optim.bfb_allreduce(collective=c, buffer_bytes=8),
-    "bmuf": lambda c: optim.bmuf(optax.sgd(0.1), collective=c, block_size=2),
-    "bmuf_gtc": lambda tiers: optim.bmuf_gtc(
-        optax.sgd(0.1), intra=tiers[0], inter=tiers[1], block_size=2, threshold=0.1
-    ),
-    "demo": lambda c: optim.demo(collective=c, chunk_size=2, topk=1),
-    "diloco": lambda c: optim.diloco(
-        optax.sgd(0.1), collective=c, sync_every=2, outer=optax.sgd(0.7)
-    ),
-    "gradient_noise_scale": lambda c: optim.gradient_noise_scale(collective=c, local_batch_size=4),
-    "gtc": lambda c: optim.gtc(0.1, collective=c),
-    "onebit_adam": lambda c: optim.onebit_adam(1e-2, collective=c, freeze_step=1),
-    "onebit_lamb": lambda c: optim.onebit_lamb(1e-2, collective=c, freeze_step=1),
-    "partial_exchange": lambda c: optim.partial_exchange(1.0, collective=c),
-    "peer_averaging": lambda c: optim.peer_averaging(optax.sgd(0.1), collective=c),
-    "powersgd": lambda c: optim.powersgd(1, collective=c),
-    "skip_nonfinite": lambda c: optim.skip_nonfinite(optax.sgd(0.1), collective=c),
-    "sma": lambda c: optim.sma(optax.sgd(0.1), collective=c),
-    "streaming_diloco": lambda c: optim.streaming_diloco(
-        optax.sgd(0.1), collective=c, sync_every=2, outer=optax.sgd(0.7), num_fragments=2
-    ),
-    "topk": lambda c: optim.topk(0.5, collective=c),
-}
-# Exported functions that are not transformation factories.
-NOT_TRANSFORMATIONS = {
-    "noise_scale",
-    "onebit_moments",
-    "peer_permutation",
-    "pgx_partition",
-    "update_and_apply",
-}
-
 PARAMS = {"b": jnp.zeros((2,)), "w": jnp.zeros((3,))}
 FLOAT_GRADS = {"b": jnp.ones((2,)), "w": jnp.ones((3,))}
 INT_GRADS = {"b": jnp.ones((2,)), "w": jnp.array([3, 4, -1], jnp.int32)}
 
 
-def test_every_transformation_is_listed():
-    public = {n for n in optim.__all__ if inspect.isfunction(getattr(optim, n))}
-    assert set(BUILDERS) == public - NOT_TRANSFORMATIONS
-
-
 def build(name):
     """The transformation on 2 simulated workers, and its workers' leading dimensions."""
-    if name == "bmuf_gtc":  # groups of one, two groups
-        return BUILDERS[name]((AxisCollective("member", 1), AxisCollective("w", 2))), (2, 1)
-    return BUILDERS[name](AxisCollective("w", 2)), (2,)
+    row = TABLE[name]
+    if row.two_tier:  # groups of one, two groups
+        return row.build((AxisCollective("member", 1), AxisCollective("w", 2))), (2, 1)
+    return row.build(AxisCollective("w", 2)), (2,)
 
 
 def run_update(name, grads, apply=False):
@@ -88,13 +46,13 @@ def run_update(name, grads, apply=False):
         return tx.update(grads, state, params)
 
     fn = jax.vmap(worker, axis_name="w")
-    if name == "bmuf_gtc":
+    if TABLE[name].two_tier:
         fn = jax.vmap(jax.vmap(worker, axis_name="member"), axis_name="w")
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), t)
     return fn(stack(PARAMS), stack(grads))
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(TABLE))
 def test_integer_gradient_is_refused_by_name(name):
     jax.eval_shape(lambda g: run_update(name, g), FLOAT_GRADS)  # the control
     with pytest.raises(

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import UNDER_MPI, n_workers, run_two_tier, run_workers
+from contract_table import ROWS, public_factories, public_helpers, rows
+from harness import UNDER_MPI, adam, n_workers, run_two_tier, run_workers
 from jax import lax
 
 import shoal.optim as optim
@@ -30,22 +31,7 @@ from shoal.comms.wire import all_reduce_bytes
 from shoal.optim import (
     NonFiniteGradientError,
     allreduce_gradients,
-    bfb_allreduce,
-    bmuf,
-    bmuf_gtc,
-    demo,
-    diloco,
-    gradient_noise_scale,
-    gtc,
-    onebit_adam,
-    onebit_lamb,
-    partial_exchange,
-    peer_averaging,
-    powersgd,
     skip_nonfinite,
-    sma,
-    streaming_diloco,
-    topk,
     update_and_apply,
 )
 from shoal.optim.gtc import residual_tree
@@ -67,45 +53,14 @@ GROUP = 2  # workers per group of the two-tier case
 # across the groups.
 FLAG = all_reduce_bytes(4, N)[0]
 FLAG_TWO_TIER = all_reduce_bytes(4, GROUP)[0] + all_reduce_bytes(4, N // GROUP)[0]
-sgd = lambda: optax.sgd(LR)
-momentum = lambda: optax.sgd(LR, momentum=0.9)
-
-# name -> factory(collective) of the unwrapped transformation; two-tier: factory(intra, inter)
-CASES = {
-    "allreduce_gradients": lambda c: optax.chain(allreduce_gradients(collective=c), sgd()),
-    # A whole chain skips as one: Adam's moments and count do not move either.
-    "allreduce_gradients+adam": lambda c: optax.chain(
-        allreduce_gradients(collective=c), optax.adam(LR)
-    ),
-    "gtc": lambda c: optax.chain(gtc(0.05, collective=c, capacity=4), sgd()),
-    "bmuf": lambda c: bmuf(momentum(), collective=c, block_size=2),
-    "bmuf_gtc": lambda intra, inter: bmuf_gtc(
-        sgd(), intra=intra, inter=inter, block_size=2, threshold=0.05, capacity=4
-    ),
-    "bfb_allreduce": lambda c: optax.chain(bfb_allreduce(collective=c, buffer_bytes=8), sgd()),
-    "demo": lambda c: optax.chain(demo(collective=c, chunk_size=2, topk=1), sgd()),
-    "diloco": lambda c: diloco(
-        momentum(), collective=c, sync_every=2, outer=optax.sgd(0.7, momentum=0.9)
-    ),
-    "streaming_diloco": lambda c: streaming_diloco(
-        momentum(), collective=c, sync_every=2, outer=optax.sgd(0.7, momentum=0.9), num_fragments=2
-    ),
-    "partial_exchange": lambda c: optax.chain(partial_exchange(0.7, collective=c), sgd()),
-    "peer_averaging": lambda c: peer_averaging(
-        momentum(), collective=c, strategy="random", staleness=1
-    ),
-    "sma": lambda c: sma(momentum(), collective=c),
-    "powersgd": lambda c: optax.chain(
-        powersgd(1, collective=c, start_step=1, min_compression=1.0), sgd()
-    ),
-    "topk": lambda c: optax.chain(topk(0.5, collective=c), sgd()),
-    "gradient_noise_scale": lambda c: optax.chain(
-        gradient_noise_scale(collective=c, local_batch_size=4), sgd()
-    ),
-    "onebit_adam": lambda c: onebit_adam(1e-2, collective=c, freeze_step=2),
-    "onebit_lamb": lambda c: onebit_lamb(1e-2, collective=c, freeze_step=2),
-}
-TWO_TIER = {"bmuf_gtc"}
+# name -> factory(collective) of the unwrapped transformation (two-tier: of (intra, inter)):
+# every row of the contract table but the wrapper itself, and a chain with Adam.
+CASES = {row.name: row.nonfinite for row in ROWS if not isinstance(row.nonfinite, str)}
+# A whole chain skips as one: Adam's moments and count do not move either.
+CASES["allreduce_gradients+adam"] = lambda c: optax.chain(
+    allreduce_gradients(collective=c), adam(LR)
+)
+TWO_TIER = set(rows(two_tier=True))
 BAD_VALUES = (np.nan, np.inf, -np.inf)
 # Under mpiexec, one case per kind of exchange (all-reduce, all-gather, two tiers,
 # ppermute): the wrapper is the same code for all; every case runs in one process.
@@ -115,9 +70,9 @@ MPI_CASES = {"allreduce_gradients", "gtc", "bmuf_gtc", "peer_averaging"}
 # runs may differ in the last bits: Adam-style moments of an all-reduced mean (measured: at
 # most 3 ulp with XLA's fusion emitters, 9 with the loop emitters the tests compile with,
 # tests/conftest.py), and with the loop emitters also a momentum update mixed with other
-# workers' parameters or a noise estimate (up to 3e-8 absolute). Every other case is bit for bit.
-FMA_CASES = {"allreduce_gradients+adam", "onebit_adam", "onebit_lamb", "peer_averaging", "sma",
-             "gradient_noise_scale"}  # fmt: skip
+# workers' parameters or a noise estimate (up to 3e-8 absolute): the rows marked
+# nonfinite_fma. Every other case is bit for bit.
+FMA_CASES = {"allreduce_gradients+adam", *rows(nonfinite_fma=True)}
 
 
 def skip_most_under_mpi(name):
@@ -161,7 +116,7 @@ def _run(name, grads, nonfinite, in_place=None):
     transformation unwrapped; ``in_place="apply"``: each step by `update_and_apply`."""
 
     def make(*comms):
-        tx = CASES[name](*comms)
+        tx = CASES[name](comms if name in TWO_TIER else comms[0])
         if nonfinite is None:
             return tx
         return skip_nonfinite(tx, collective=comms, nonfinite=nonfinite, in_place=in_place)
@@ -193,8 +148,9 @@ def bad_value(name):
 def run(name, variant):
     if variant == "bad":
         return _run(name, poisoned(bad_value(name)), "skip")
-    if variant in ("bad in place", "bad select"):
-        return _run(name, poisoned(bad_value(name)), "skip", variant == "bad in place")
+    if variant in ("bad in place", "bad select", "clean in place", "clean select"):
+        grads = poisoned(bad_value(name)) if variant.startswith("bad") else GRADS
+        return _run(name, grads, "skip", variant.endswith("in place"))
     if variant in ("bad apply", "clean apply"):
         grads = poisoned(bad_value(name)) if variant == "bad apply" else GRADS
         return _run(name, grads, "skip", "apply")
@@ -413,6 +369,27 @@ def test_the_skip_around_update_and_apply_is_the_same_run(name, variant):
         (assert_trees_close if name in FMA_CASES else assert_trees_equal)(states_apply, states)
 
 
+# Each row's preferred skip (its `skip_in_place`, what a training step should pass to the
+# wrapper) is the same run as the default skip, with a bad step and without: bit for bit
+# but for FMA contraction, the parameters of "apply" (``p + u`` in the loop) within rounding.
+PREFERRED = {row.name: row.skip_in_place for row in ROWS if row.skip_in_place is not None}
+
+
+@pytest.mark.parametrize("name", sorted(PREFERRED))
+@pytest.mark.parametrize("variant", ["bad", "clean"])
+def test_the_preferred_skip_is_the_same_run(name, variant):
+    skip_most_under_mpi(name)
+    mode = PREFERRED[name]
+    suffix = {True: "in place", False: "select", "apply": "apply"}[mode]
+    same = assert_trees_close if name in FMA_CASES else assert_trees_equal
+    for rank, (p, updates, states) in run(name, variant).items():
+        p_pref, updates_pref, states_pref = run(name, f"{variant} {suffix}")[rank]
+        (assert_trees_close if mode == "apply" else same)(p_pref, p)
+        if mode != "apply":  # "apply" returns no updates
+            same(updates_pref, updates)
+        same(states_pref, states)
+
+
 def test_the_skip_around_update_and_apply_raises_too():
     message = f"NonFiniteGradientError: NaN/Inf in the gradient of 1 of {N} workers"
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
@@ -435,18 +412,13 @@ def test_update_and_apply_of_any_other_transformation_is_optax():
     assert skip_nonfinite(optax.sgd(0.1), collective=c).apply_step is None
 
 
-FACTORIES = sorted(
-    name
-    for name in optim.__all__
-    if inspect.isfunction(getattr(optim, name))
-    and name not in ("skip_nonfinite", "update_and_apply")
-)
-STATES = sorted(name for name in optim.__all__ if name.endswith("State"))
+FUNCTIONS = sorted((public_factories() | public_helpers()) - {"skip_nonfinite"})
+STATES = sorted({row.state.__name__ for row in ROWS})
 
 
-@pytest.mark.parametrize("name", FACTORIES)
+@pytest.mark.parametrize("name", FUNCTIONS)
 def test_no_transformation_has_a_nonfinite_flag_of_its_own(name):
-    # One mechanism: the wrapper. No factory takes nonfinite= ...
+    # One mechanism: the wrapper. No factory (nor helper) takes nonfinite= ...
     assert "nonfinite" not in inspect.signature(getattr(optim, name)).parameters
 
 

@@ -10,6 +10,7 @@ from averaging_cases import INNERS, LR, N_BYTES, flat, make_case
 from averaging_cases import train as train_workers
 from harness import n_workers, run_workers
 from jax import lax
+from parabola_cases import TARGET, descend, different_starts
 
 from shoal.comms import AxisCollective
 from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
@@ -247,22 +248,11 @@ def test_peer_permutation_rejects_bad_input():
 def test_optimises_parabola_from_different_starts(strategy, staleness):
     # optax's contract test, from a different start on every worker: averaging must not
     # stop the local descent, and the workers must agree at the optimum.
-    target = jnp.array([1.0, -1.0, 1.0])
-    grad = jax.grad(lambda p: jnp.sum((p - target) ** 2))
-    starts = jnp.asarray(np.random.default_rng(7).normal(size=(N, 3)) * 5, jnp.float32)
-
     def worker(coll, p):
         tx = peer_averaging(
             optax.sgd(0.05), collective=coll, strategy=strategy, staleness=staleness
         )
+        return descend(tx, p, 500)
 
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(grad(p), s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        state = optax.tree_utils.tree_map_params(tx, lambda v: v, tx.init(p))
-        return lax.scan(body, (p, state), None, length=500)[0][0]
-
-    for p in run_workers(worker, starts).values():
-        np.testing.assert_allclose(p, target, rtol=1e-4, atol=1e-4)
+    for p in run_workers(worker, different_starts(N)).values():
+        np.testing.assert_allclose(p, TARGET, rtol=1e-4, atol=1e-4)

@@ -9,7 +9,7 @@ import pytest
 from averaging_cases import INNERS, LR, N_BYTES, flat, make_case
 from averaging_cases import train as train_workers
 from harness import n_workers, run_workers, world
-from jax import lax
+from parabola_cases import TARGET, descend, different_starts
 
 from shoal.comms.wire import all_reduce_bytes
 from shoal.optim.sma import SMAState, sma
@@ -109,20 +109,9 @@ def test_bad_alpha(alpha):
 
 def test_optimises_parabola_from_different_starts():
     # optax's contract test, from a different start on every worker.
-    target = jnp.array([1.0, -1.0, 1.0])
-    grad = jax.grad(lambda p: jnp.sum((p - target) ** 2))
-    starts = jnp.asarray(np.random.default_rng(7).normal(size=(N, 3)) * 5, jnp.float32)
-
     def worker(coll, p):
         tx = sma(optax.sgd(0.05), collective=coll)
+        return descend(tx, p, 500)
 
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(grad(p), s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        state = optax.tree_utils.tree_map_params(tx, lambda v: v, tx.init(p))
-        return lax.scan(body, (p, state), None, length=500)[0][0]
-
-    for p in run_workers(worker, starts).values():
-        np.testing.assert_allclose(p, target, rtol=1e-4, atol=1e-4)
+    for p in run_workers(worker, different_starts(N)).values():
+        np.testing.assert_allclose(p, TARGET, rtol=1e-4, atol=1e-4)

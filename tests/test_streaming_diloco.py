@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import n_workers, run_workers
+from block_cases import block_worker, nesterov_outer_step
+from harness import adam, n_workers, run_workers
 from jax import lax
 
 from shoal.comms import AxisCollective, Float32, Quantized, wire_bytes
@@ -102,9 +103,9 @@ def oracle(workers, steps, overlap, mix):
         for p in range(F):
             sl, offset = FLAT[p], p * H // F
             if (t - offset) % H == 0:
-                delta = theta_g[sl] - theta[:, sl].mean(0)
-                trace[sl] = delta + OUTER_MU * trace[sl]
-                theta_g[sl] = theta_g[sl] - OUTER_LR * (delta + OUTER_MU * trace[sl])
+                theta_g[sl], trace[sl] = nesterov_outer_step(
+                    theta_g[sl], trace[sl], theta[:, sl].mean(0), OUTER_LR, OUTER_MU
+                )
                 outer_steps += 1
                 if overlap == 0:
                     theta[:, sl] = theta_g[sl]
@@ -115,25 +116,10 @@ def oracle(workers, steps, overlap, mix):
     return np.stack(params), np.stack(glob), outer_steps
 
 
-def worker_fn(tx, steps, p0_key=None):
-    """Worker fn: broadcast rank 0's params, init, then ``steps`` updates. Returns the
-    params, theta_g and this step's wire bytes after every step, and the final state."""
-
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        opt = tx(coll)
-        state = opt.init(params)
-
-        def body(carry, _):
-            p, s = carry
-            u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
-            return (p, s), (p, s.global_params, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, state), None, length=steps)
-        return traj, state
-
-    return worker
+def worker_fn(tx, steps):
+    """`block_worker` on this file's model: the params, theta_g and this step's wire
+    bytes after every step, and the final state."""
+    return block_worker(tx, steps, loss)
 
 
 def streaming(**kwargs):
@@ -183,7 +169,7 @@ def test_one_fragment_is_diloco(outer):
     """num_fragments=1, overlap=0, exchange=None is diloco, bit for bit: params, theta_g,
     the outer state and bytes after every update."""
     sync_every, steps = 3, 10
-    make = {"nesterov": nesterov_outer, "adam": lambda: optax.adam(0.3)}[outer]
+    make = {"nesterov": nesterov_outer, "adam": lambda: adam(0.3)}[outer]
     inner = lambda: optax.sgd(LR, momentum=MU)
     got = run_workers(
         worker_fn(

@@ -19,6 +19,7 @@ import optax
 from optax import contrib
 
 from shoal import optim
+from shoal.dtypes import standard_promotion
 from shoal.experiments.algorithms._registry import Context, Hyper, register
 from shoal.experiments.algorithms.parts import Exchange, OuterSGD
 from shoal.experiments.fields import ConfigError, check_field
@@ -44,13 +45,16 @@ class Muon(Hyper):
         check_field(self.adam_learning_rate > 0, "adam_learning_rate", "a float > 0")
 
     def make(self) -> optax.GradientTransformation:
-        return contrib.muon(
-            self.learning_rate,
-            beta=self.beta,
-            ns_steps=self.ns_steps,
-            weight_decay=self.weight_decay,
-            adam_learning_rate=self.adam_learning_rate,
-            adam_weight_decay=self.weight_decay,
+        # Its AdamW part mixes a float with an int32 count (as `parts.AdamW` says).
+        return standard_promotion(
+            contrib.muon(
+                self.learning_rate,
+                beta=self.beta,
+                ns_steps=self.ns_steps,
+                weight_decay=self.weight_decay,
+                adam_learning_rate=self.adam_learning_rate,
+                adam_weight_decay=self.weight_decay,
+            )
         )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import optax
 
 from shoal.comms import Compressor, Quantized, TopK
+from shoal.dtypes import standard_promotion
 from shoal.experiments.algorithms._registry import Hyper
 from shoal.experiments.fields import ConfigError, check_field
 
@@ -56,7 +57,9 @@ class AdamW(Hyper):
         check_field(self.weight_decay >= 0, "weight_decay", "a float >= 0")
 
     def make(self) -> optax.GradientTransformation:
-        return optax.adamw(self.learning_rate, weight_decay=self.weight_decay)
+        # optax's bias correction mixes a float with an int32 count: standard promotion
+        # for it alone, so that the run is also right under strict promotion.
+        return standard_promotion(optax.adamw(self.learning_rate, weight_decay=self.weight_decay))
 
 
 @dataclasses.dataclass(frozen=True)
