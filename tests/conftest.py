@@ -39,4 +39,3 @@ for _flag in TEST_XLA_FLAGS:
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
-
