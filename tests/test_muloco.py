@@ -18,6 +18,7 @@ from jax import lax
 from optax import contrib
 
 from shoal.comms import AxisCollective
+from shoal.dtypes import standard_promotion
 from shoal.experiments.algorithms import resolve
 from shoal.experiments.algorithms.muloco import MuLoCo, Muon
 from shoal.experiments.config import Config, ConfigError
@@ -56,7 +57,10 @@ def oracle() -> dict[str, np.ndarray]:
     then, in float64 NumPy, the outer Nesterov SGD on the average progress
     ``delta = theta_g - mean_i theta_i``: ``m = mu m + delta``,
     ``theta_g <- theta_g - lr (mu m + delta)``."""
-    inner = contrib.muon(INNER_LR, beta=BETA, ns_steps=5, adam_learning_rate=ADAM_LR)
+    # optax's Muon as it is (its AdamW part needs standard promotion: the session is strict).
+    inner = standard_promotion(
+        contrib.muon(INNER_LR, beta=BETA, ns_steps=5, adam_learning_rate=ADAM_LR)
+    )
     step = jax.jit(lambda p, s, x, y: inner.update(jax.grad(loss)(p, x, y), s, p))
     theta_g = {k: v.astype(np.float64) for k, v in P0.items()}
     m = {k: np.zeros_like(v) for k, v in theta_g.items()}
