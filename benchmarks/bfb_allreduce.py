@@ -115,7 +115,7 @@ def main() -> None:
     from shoal.comms import ParameterServers, plan_fusion
     from shoal.comms.wire import all_reduce_bytes
     from shoal.optim import bfb_allreduce
-    from shoal.optim.bfb import server_bytes_per_step
+    from shoal.optim._bfb import server_bytes_per_step
 
     load_start = os.getloadavg()[0]
     ps = ParameterServers(args.servers)

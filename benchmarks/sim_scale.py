@@ -103,8 +103,7 @@ from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner import malloc
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import compile_step, make_step
-from shoal.optim import BMUFState
-from shoal.optim.onebit import OneBitLambState
+from shoal.optim import BMUFState, OneBitLambState
 
 CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.py"
 LAYERS = 4

@@ -12,9 +12,9 @@ from shoal.comms.compressed import (
 )
 from shoal.comms.compressor import Compressor, Float32
 from shoal.comms.fusion import AtomicPlacement, FusionPlan, atomic_placement, plan_fusion
-from shoal.comms.gradient_order import broadcast_order, gradient_order
 from shoal.comms.groups import two_tier
 from shoal.comms.mpi import MPICollective
+from shoal.comms.order import broadcast_order, gradient_order
 from shoal.comms.quantized import (
     Quantized,
     quantized_allreduce,

@@ -29,7 +29,7 @@ from shoal.experiments.overrides import load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task
-from shoal.optim import peer_permutation, pgx_partition
+from shoal.optim.helpers import peer_permutation, pgx_partition
 
 SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer workers and steps
 WORKERS = 4 if SMALL else 8

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 from optax import tree_utils
 
-from shoal.optim.gtc import sent_fraction
-from shoal.optim.noise_scale import noise_scale
-from shoal.optim.nonfinite import skipped_steps
+from shoal.optim._gtc import sent_fraction
+from shoal.optim._nonfinite import skipped_steps
+from shoal.optim.helpers import noise_scale
 
 __all__ = ["READOUTS", "Readout", "evaluation_params", "step_figures"]
 
@@ -56,7 +56,7 @@ class Readout:
 
 # The per-step figures, in the order the runner records them: a new one is a new row.
 READOUTS = (
-    # Elements sent over elements compressed by GTC (`shoal.optim.gtc.sent_fraction`).
+    # Elements sent over elements compressed by GTC (`shoal.optim._gtc.sent_fraction`).
     Readout("density", sent_fraction, by_device="mean", over_workers="mean"),
     # The gradient noise scale B_simple (`shoal.optim.noise_scale`).
     Readout("noise_scale", noise_scale, by_device="first", over_workers="mean"),

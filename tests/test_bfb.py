@@ -26,7 +26,7 @@ from shoal.comms import (
     wire_bytes,
 )
 from shoal.optim import bfb_allreduce
-from shoal.optim.bfb import server_bytes_per_step
+from shoal.optim._bfb import server_bytes_per_step
 
 N = n_workers()
 RNG = np.random.default_rng(3)

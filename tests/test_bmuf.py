@@ -20,8 +20,7 @@ from jax import lax
 
 from shoal.comms import AxisCollective
 from shoal.comms.wire import all_reduce_bytes
-from shoal.optim import update_and_apply
-from shoal.optim.bmuf import BMUFState, bmuf
+from shoal.optim import BMUFState, bmuf, update_and_apply
 
 N = n_workers()
 # Different initial params per worker: the workers must broadcast rank 0's before init.

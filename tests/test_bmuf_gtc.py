@@ -13,9 +13,7 @@ from jax import lax
 
 from shoal.comms import two_tier, wire_bytes
 from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
-from shoal.optim.bmuf import bmuf
-from shoal.optim.bmuf_gtc import bmuf_gtc
-from shoal.optim.gtc import GTCState, gtc
+from shoal.optim import GTCState, bmuf, bmuf_gtc, gtc
 
 N = n_workers()
 PROBLEM = linear_problem(seed=1, n=N)

@@ -14,7 +14,7 @@ from parabola_cases import START, TARGET, descend, on_workers
 
 from shoal.comms import AxisCollective, wire_bytes
 from shoal.optim import allreduce_gradients
-from shoal.optim.demo import DeMoState, chunk_length, demo
+from shoal.optim._demo import DeMoState, chunk_length, demo
 
 N = n_workers()
 STEPS = 4

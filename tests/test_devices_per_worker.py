@@ -31,7 +31,7 @@ from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
 from shoal.experiments.overrides import apply_overrides, load_file
 from shoal.experiments.runner.cli import main
 from shoal.experiments.tasks import make_task
-from shoal.optim.gtc import resolve_capacity
+from shoal.optim._gtc import resolve_capacity
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start their own MPI")
 

@@ -19,8 +19,7 @@ from jax import lax
 
 from shoal.comms import AxisCollective, Quantized, TopK
 from shoal.comms.wire import all_reduce_bytes
-from shoal.optim import allreduce_gradients, bmuf
-from shoal.optim.diloco import DiLoCoState, diloco
+from shoal.optim import DiLoCoState, allreduce_gradients, bmuf, diloco
 
 N = n_workers()
 # Different initial params per worker: the workers must broadcast rank 0's before init.

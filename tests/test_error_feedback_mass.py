@@ -42,7 +42,7 @@ from shoal.optim import (
     streaming_diloco,
     topk,
 )
-from shoal.optim.streaming_diloco import split_fragments
+from shoal.optim._streaming_diloco import split_fragments
 
 N, T = 4, 50
 COLL = AxisCollective("w", N)

@@ -10,7 +10,7 @@ from harness import n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, wire_bytes
 from shoal.optim import gtc, skip_nonfinite
-from shoal.optim.gtc import residual_tree, resolve_capacity
+from shoal.optim._gtc import residual_tree, resolve_capacity
 
 N = n_workers()
 SHAPES = {"b": (7,), "w": (5, 6)}  # flattened in key order: b then w, n = 37

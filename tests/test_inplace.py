@@ -1,12 +1,12 @@
-"""In-place branches (`shoal.optim.inplace`) and the one-pass non-finite test."""
+"""In-place branches (`shoal.optim._inplace`) and the one-pass non-finite test."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if, switch_inplace
-from shoal.optim.nonfinite import any_nonfinite, local_nonfinite
+from shoal.optim._inplace import keeps_shape, passthrough_bytes, run_if, switch_inplace
+from shoal.optim._nonfinite import any_nonfinite, local_nonfinite
 
 
 def test_run_if_runs_fn_only_when_pred_holds():

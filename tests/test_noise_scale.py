@@ -9,8 +9,8 @@ import pytest
 from harness import n_workers, run_workers
 
 from shoal.comms import AxisCollective, wire_bytes
-from shoal.optim.noise_scale import NoiseScaleState, gradient_noise_scale, noise_scale
-from shoal.optim.nonfinite import skip_nonfinite
+from shoal.optim import NoiseScaleState, gradient_noise_scale, skip_nonfinite
+from shoal.optim.helpers import noise_scale
 
 N = n_workers()
 T = 3  # steps in the EMA tests

@@ -34,8 +34,8 @@ from shoal.optim import (
     skip_nonfinite,
     update_and_apply,
 )
-from shoal.optim.gtc import residual_tree
-from shoal.optim.nonfinite import skipped_steps
+from shoal.optim._gtc import residual_tree
+from shoal.optim._nonfinite import skipped_steps
 
 pytestmark = pytest.mark.mpi
 

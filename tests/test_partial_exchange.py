@@ -12,8 +12,8 @@ import pytest
 from harness import UNDER_MPI, my_ranks, n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, wire_bytes
-from shoal.optim.allreduce import allreduce_gradients
-from shoal.optim.partial_exchange import PartialExchangeState, partial_exchange, pgx_partition
+from shoal.optim import PartialExchangeState, allreduce_gradients, partial_exchange
+from shoal.optim.helpers import pgx_partition
 
 N = n_workers()
 

@@ -13,7 +13,8 @@ from jax import lax
 from parabola_cases import TARGET, descend, different_starts
 
 from shoal.comms import AxisCollective
-from shoal.optim.peer_averaging import PeerAveragingState, peer_averaging, peer_permutation
+from shoal.optim import PeerAveragingState, peer_averaging
+from shoal.optim.helpers import peer_permutation
 
 N = n_workers()
 STEPS = 3

@@ -16,7 +16,8 @@ from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import carry_state, train
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.optim import gradient_noise_scale, partial_exchange, pgx_partition
+from shoal.optim import gradient_noise_scale, partial_exchange
+from shoal.optim.helpers import pgx_partition
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process runner tests")
 

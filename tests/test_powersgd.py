@@ -12,8 +12,7 @@ from harness import my_ranks, n_workers, run_workers, world
 from jax import lax
 
 from shoal.comms import AxisCollective, wire_bytes
-from shoal.optim import allreduce_gradients
-from shoal.optim.powersgd import PowerSGDState, powersgd
+from shoal.optim import PowerSGDState, allreduce_gradients, powersgd
 
 N = n_workers()
 STEPS = 4

@@ -11,7 +11,7 @@ from shoal.experiments.config import ConfigError
 from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.projection import project_run
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.optim import pgx_partition
+from shoal.optim.helpers import pgx_partition
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process projection")
 

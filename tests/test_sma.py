@@ -12,7 +12,7 @@ from harness import n_workers, run_workers, world
 from parabola_cases import TARGET, descend, different_starts
 
 from shoal.comms.wire import all_reduce_bytes
-from shoal.optim.sma import SMAState, sma
+from shoal.optim import SMAState, sma
 
 N = n_workers()
 STEPS = 3

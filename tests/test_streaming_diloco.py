@@ -11,9 +11,8 @@ from harness import adam, n_workers, run_workers
 from jax import lax
 
 from shoal.comms import AxisCollective, Float32, Quantized, wire_bytes
-from shoal.optim.diloco import diloco
-from shoal.optim.nonfinite import skip_nonfinite
-from shoal.optim.streaming_diloco import (
+from shoal.optim import diloco, skip_nonfinite
+from shoal.optim._streaming_diloco import (
     StreamingDiLoCoState,
     split_fragments,
     streaming_diloco,

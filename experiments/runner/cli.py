@@ -62,7 +62,7 @@ from shoal.experiments.runner.study import Study, run_study
 from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import check_task, make_task, task_factory
 from shoal.experiments.tasks.bert import num_parameters
-from shoal.optim.nonfinite import NonFiniteGradientError
+from shoal.optim import NonFiniteGradientError
 
 
 def _setup(args, backend, loaded):

@@ -22,7 +22,8 @@ from shoal.experiments.runner import checkpoint, memory, policies, projection
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.tasks.protocol import metrics_of
-from shoal.optim.nonfinite import NonFiniteGradientError, take_raised, update_and_apply
+from shoal.optim import NonFiniteGradientError, update_and_apply
+from shoal.optim.helpers import take_raised
 from shoal.optim.readouts import READOUTS, evaluation_params, step_figures
 
 MB = 1e6  # bytes; reports say "MB" in decimal units

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shoal.comms.gradient_order import gradient_order
+from shoal.comms.order import gradient_order
 
 
 @dataclasses.dataclass(frozen=True)

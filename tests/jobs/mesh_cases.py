@@ -133,7 +133,7 @@ ONEBIT = (optim.OneBitAdamState, optim.OneBitLambState)
 
 def whole_moments(train):
     """``train`` returning 1-bit Adam/LAMB's moments whole (over `coll`): simulated workers
-    hold one chunk of them each, devices the whole (`shoal.optim.held.Held`)."""
+    hold one chunk of them each, devices the whole (`shoal.optim._held.Held`)."""
 
     def whole(s, params):
         if not isinstance(s, ONEBIT):

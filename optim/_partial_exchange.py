@@ -36,8 +36,8 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.inplace import switch_inplace
-from shoal.optim.validation import check_collective, checked
+from shoal.optim._inplace import switch_inplace
+from shoal.optim._validation import check_collective, checked
 
 __all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
 
@@ -225,7 +225,7 @@ def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], .
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from shoal.optim import pgx_partition
+      >>> from shoal.optim.helpers import pgx_partition
       >>> tree = {"w": jnp.zeros((6,)), "b": jnp.zeros((2,)), "c": jnp.zeros((4,))}
       >>> pgx_partition(tree, 0.5)
       (("['w']",), ("['b']", "['c']"))

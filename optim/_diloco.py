@@ -30,9 +30,9 @@ from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.dtypes import apply_updates
-from shoal.optim.applying import applying_transformation
-from shoal.optim.inplace import run_if
-from shoal.optim.validation import (
+from shoal.optim._applying import applying_transformation
+from shoal.optim._inplace import run_if
+from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
     require_params,
@@ -185,7 +185,7 @@ def diloco(
     def step_fn(updates, state, params, apply, **extra_args):
         """The update (``apply=False``) or the new params (``apply=True``) and the state:
         applied here, the params ride in the outer step's in-place branch, and an inner
-        step is the one pass ``params + u`` (`shoal.optim.applying`)."""
+        step is the one pass ``params + u`` (`shoal.optim._applying`)."""
         require_params("diloco", params)
         # Branch on the step counter, the same on every worker: an inner-only update then
         # costs an inner step under vmap too, not a select over the outer step.

@@ -32,7 +32,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.validation import check_collective, checked, concrete_float
+from shoal.optim._validation import check_collective, checked, concrete_float
 from shoal.trees import find_instances
 
 _SCALAR_BYTES = 4  # one float32: the local squared norm
@@ -129,7 +129,8 @@ def gradient_noise_scale(
       >>> import jax, jax.numpy as jnp, numpy as np, optax
       >>> from shoal.comms import AxisCollective
       >>> coll = AxisCollective("workers", 2)
-      >>> from shoal.optim import gradient_noise_scale, noise_scale
+      >>> from shoal.optim import gradient_noise_scale
+      >>> from shoal.optim.helpers import noise_scale
       >>> tx = gradient_noise_scale(collective=coll, local_batch_size=8, ema=0.0)
       >>> def step(g):
       ...     updates, state = tx.update(g, tx.init(g))
@@ -222,7 +223,8 @@ def noise_scale(opt_state: Any) -> jax.Array | None:
 
       >>> import jax.numpy as jnp, optax
       >>> from shoal.comms import AxisCollective
-      >>> from shoal.optim import gradient_noise_scale, noise_scale
+      >>> from shoal.optim import gradient_noise_scale
+      >>> from shoal.optim.helpers import noise_scale
       >>> monitor = gradient_noise_scale(collective=AxisCollective("workers", 2),
       ...                                local_batch_size=8)
       >>> print(noise_scale(optax.chain(monitor, optax.sgd(0.1)).init(jnp.zeros(2))))

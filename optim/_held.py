@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from shoal.comms.collective import Collective, is_simulated
-from shoal.optim.validation import check_tree_like
+from shoal.optim._validation import check_tree_like
 
 __all__ = ["Held"]
 
@@ -36,7 +36,7 @@ class Held(NamedTuple):
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from shoal.comms import AxisCollective
-      >>> from shoal.optim.held import Held
+      >>> from shoal.optim._held import Held
       >>> coll = AxisCollective("workers", 2)
       >>> def worker(x):  # x: the same on both workers
       ...     layout = Held.of(coll)

@@ -9,7 +9,7 @@ import optax
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim.validation import check_collective, checked
+from shoal.optim._validation import check_collective, checked
 
 
 class AllReduceState(NamedTuple):

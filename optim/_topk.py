@@ -12,7 +12,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.topk import TopK
 from shoal.comms.wire import WireCount, WireMeter
-from shoal.optim.validation import check_collective, checked
+from shoal.optim._validation import check_collective, checked
 
 
 class TopKState(NamedTuple):

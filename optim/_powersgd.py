@@ -34,8 +34,8 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.dtypes import promote_types
-from shoal.optim.inplace import run_if
-from shoal.optim.validation import check_collective, check_floating_leaves, checked
+from shoal.optim._inplace import run_if
+from shoal.optim._validation import check_collective, check_floating_leaves, checked
 
 
 class PowerSGDState(NamedTuple):
@@ -165,7 +165,7 @@ def powersgd(
 
       >>> import jax, jax.numpy as jnp
       >>> from shoal.comms import AxisCollective
-      >>> from shoal.optim.powersgd import powersgd
+      >>> from shoal.optim import powersgd
       >>> coll = AxisCollective("workers", 2)
       >>> tx = powersgd(1, collective=coll, min_compression=1.0)  # 2x3 saves 6/5 only
       >>> def step(g):

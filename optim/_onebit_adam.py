@@ -1,5 +1,5 @@
 """1-bit Adam (`onebit_adam`): Adam's update rules in the two stages of
-`shoal.optim.onebit`, whose compression stage sends the momentum as signs.
+`shoal.optim._onebit`, whose compression stage sends the momentum as signs.
 
 References:
     H. Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from shoal.comms.collective import Collective
-from shoal.optim.onebit import OneBitAdamState, hyper, two_stage
+from shoal.optim._onebit import OneBitAdamState, hyper, two_stage
 
 __all__ = ["onebit_adam"]
 

@@ -27,7 +27,7 @@ from shoal.comms.collective import Collective
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.kernels import gtc_pack_parts, gtc_unpack
-from shoal.optim.validation import check_collective, check_floating_leaves, check_positive, checked
+from shoal.optim._validation import check_collective, check_floating_leaves, check_positive, checked
 from shoal.trees import find_instances
 
 MAX_BUFFER_ELEMENTS = 2**31 - 1  # 31 index bits per word
@@ -229,7 +229,7 @@ def residual_tree(state: GTCState, params: Any) -> Any:
       >>> import jax, jax.numpy as jnp
       >>> from shoal.comms import AxisCollective
       >>> from shoal.optim import gtc
-      >>> from shoal.optim.gtc import residual_tree
+      >>> from shoal.optim._gtc import residual_tree
       >>> params = {"b": jnp.zeros(2), "w": jnp.zeros((2, 3))}
       >>> state = gtc(0.5, collective=AxisCollective("w", 1)).init(params)
       >>> jax.tree.map(jnp.shape, residual_tree(state, params))

@@ -31,8 +31,8 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, ppermute_switch
 from shoal.comms.wire import WireCount, WireMeter, tree_nbytes
-from shoal.optim.prefetch import PREFETCHED, prefetching
-from shoal.optim.validation import (
+from shoal.optim._prefetch import PREFETCHED, prefetching
+from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
     check_tree_like,
@@ -133,7 +133,7 @@ def peer_averaging(
       is the averaged model plus the local update. Its ``prefetch(state, params)`` is
       the step's exchange alone (it reads no gradient), which `skip_nonfinite` with
       ``in_place="apply"`` makes before its in-place branch and hands to ``update`` as
-      ``prefetched`` (`shoal.optim.prefetch`).
+      ``prefetched`` (`shoal.optim._prefetch`).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -242,7 +242,7 @@ def peer_permutation(strategy: str, size: int, step: int, seed: int = 0) -> tupl
       a tuple of ``size`` ints, ``perm[r]`` the rank worker ``r`` sends to.
 
     Example:
-      >>> from shoal.optim import peer_permutation
+      >>> from shoal.optim.helpers import peer_permutation
       >>> peer_permutation("round_robin", 4, 0), peer_permutation("round_robin", 4, 1)
       ((1, 2, 3, 0), (2, 3, 0, 1))
 

@@ -16,7 +16,7 @@ Every piece of state (moments, frozen and fresh variance, LAMB coefficients and 
 worker and server errors) is in the optax state, so a checkpoint resumes exactly. ``m``,
 ``v``, ``v_fresh`` and the layer scales come from the exchanges alone and are the same
 on every worker. Simulated workers hold one copy of the moments between them, a chunk
-each (`shoal.optim.held.Held`; `onebit_moments` reads them whole), so a step reads and
+each (`shoal.optim._held.Held`; `onebit_moments` reads them whole), so a step reads and
 writes one copy, not N (1-bit LAMB's compression stage at 1.05M params x 16: 1.80x local
 SGD's step -> 1.44x, side by side in one process; 1.39x at x 64).
 Unlike the DeepSpeed implementation, the first step is a real step. Gradients are not
@@ -46,9 +46,9 @@ from shoal.comms.compressed import OneBit
 from shoal.comms.compressor import tree_mean
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter
-from shoal.optim.held import Held
-from shoal.optim.inplace import run_if
-from shoal.optim.validation import (
+from shoal.optim._held import Held
+from shoal.optim._inplace import run_if
+from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
     checked,

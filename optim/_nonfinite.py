@@ -39,11 +39,11 @@ loop. A training step that applies the update itself can take the skip around bo
 too, and the update is never stored (synchronous model averaging: 1.02x local SGD's step
 instead of 1.24x, side by side at 1M params x 16 simulated workers). An update that reads
 other workers' parameters in that pass would make XLA copy them first, so peer averaging's
-exchange, which reads no gradient, is made before the loop (`shoal.optim.prefetch`; at 1M
+exchange, which reads no gradient, is made before the loop (`shoal.optim._prefetch`; at 1M
 params x 16 workers 1.08-1.20x local SGD's step, against 1.14-1.21x made in the loop, in
 three processes; at x 64 no difference beyond the noise). Inside the loop
 the wrapped transformation's own ``apply_step`` runs where it has one
-(`shoal.optim.applying`): BMUF and DiLoCo carry the parameters through their own branch,
+(`shoal.optim._applying`): BMUF and DiLoCo carry the parameters through their own branch,
 so that their local steps are one pass ``params + u`` too (BMUF's local steps at 1M
 params x 16 workers: 1.02-1.08x local SGD's step instead of 1.10-1.13x).
 """
@@ -64,10 +64,10 @@ from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.dtypes import apply_updates
-from shoal.optim.applying import ApplyingTransformation, update_and_apply
-from shoal.optim.inplace import keeps_shape, passthrough_bytes, run_if
-from shoal.optim.prefetch import PREFETCHED
-from shoal.optim.validation import check_collective, checked
+from shoal.optim._applying import ApplyingTransformation, update_and_apply
+from shoal.optim._inplace import keeps_shape, passthrough_bytes, run_if
+from shoal.optim._prefetch import PREFETCHED
+from shoal.optim._validation import check_collective, checked
 from shoal.trees import find_instances
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -340,7 +340,7 @@ def skip_nonfinite(
         prefetch = getattr(inner, "prefetch", None)
         if prefetch is not None and jax.tree.leaves(updates):
             # An exchange that reads no gradient (peer averaging's models) is made before
-            # the branch, so that the branch is one element-wise pass (`shoal.optim.prefetch`).
+            # the branch, so that the branch is one element-wise pass (`shoal.optim._prefetch`).
             extra_args = {**extra_args, PREFETCHED: prefetch(state.inner_state, params)}
 
         def run(carry):

@@ -31,9 +31,9 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.dtypes import apply_updates, promote_types
-from shoal.optim.applying import applying_transformation
-from shoal.optim.inplace import run_if
-from shoal.optim.validation import (
+from shoal.optim._applying import applying_transformation
+from shoal.optim._inplace import run_if
+from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
     check_positive,
@@ -45,7 +45,7 @@ NBM_VARIANTS = ("seed", "chen_huo")
 
 
 class BMUFState(NamedTuple):
-    """State of `bmuf` (and `shoal.optim.bmuf_gtc.bmuf_gtc`).
+    """State of `bmuf` (and `shoal.optim._bmuf_gtc.bmuf_gtc`).
 
     Attributes:
       inner_state: state of the per-step local optimizer (reset after each BMUF step when

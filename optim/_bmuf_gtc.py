@@ -1,10 +1,10 @@
 """Two-tier BMUF_GTC (Ladkat et al., section 2.3, Fig. 1): GTC inside groups, BMUF across.
 
 ``N`` workers form ``M`` groups of ``P = N / M`` consecutive workers. Every step the
-workers of a group exchange threshold-compressed gradients (`shoal.optim.gtc.gtc` over
+workers of a group exchange threshold-compressed gradients (`shoal.optim._gtc.gtc` over
 ``intra``) and apply the same mean update with the inner optimizer, so the ``P`` models
 of a group stay identical. Every ``block_size`` steps the ``M`` group models take the
-BMUF step of `shoal.optim.bmuf.bmuf` over ``inter`` (``N`` replaced by ``M`` in eq. 5),
+BMUF step of `shoal.optim._bmuf.bmuf` over ``inter`` (``N`` replaced by ``M`` in eq. 5),
 and every worker restarts from the new global model.
 
 References:
@@ -17,9 +17,9 @@ from __future__ import annotations
 import optax
 
 from shoal.comms.collective import Collective
-from shoal.optim.bmuf import block_update_filtering
-from shoal.optim.gtc import gtc
-from shoal.optim.validation import check_collective
+from shoal.optim._bmuf import block_update_filtering
+from shoal.optim._gtc import gtc
+from shoal.optim._validation import check_collective
 
 
 def bmuf_gtc(
@@ -40,7 +40,7 @@ def bmuf_gtc(
 
     Per step (lower tier): ``optax.chain(gtc(threshold, collective=intra,
     capacity=capacity), inner)`` on this worker's gradient. Per block (upper tier): the
-    BMUF step of `shoal.optim.bmuf.bmuf` (same ``block_lr``, ``block_momentum``,
+    BMUF step of `shoal.optim._bmuf.bmuf` (same ``block_lr``, ``block_momentum``,
     ``nesterov``, ``nbm``; default ``eta = 1 - zeta / M``) over ``inter``.
 
     Communication: the paper lets one leader per group run the BMUF step and broadcast
@@ -73,10 +73,10 @@ def bmuf_gtc(
       inter: collective of the ``M`` workers at this worker's position in every group.
       block_size: steps per block (int >= 1).
       threshold: GTC's ``tau > 0``.
-      capacity: GTC's words per worker per step (see `shoal.optim.gtc.gtc`).
+      capacity: GTC's words per worker per step (see `shoal.optim._gtc.gtc`).
       block_lr, block_momentum, nesterov, nbm, reset_inner_state: as in `bmuf`.
 
-    State: `shoal.optim.bmuf.BMUFState`; its ``inner_state`` is the chain state
+    State: `shoal.optim._bmuf.BMUFState`; its ``inner_state`` is the chain state
     ``(GTCState, inner state)``, or the inner state alone when ``P = 1``.
 
     Returns:

@@ -40,9 +40,9 @@ from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.dtypes import apply_updates
-from shoal.optim.diloco import _cast_like, check_outer_args
-from shoal.optim.inplace import run_if
-from shoal.optim.validation import (
+from shoal.optim._diloco import _cast_like, check_outer_args
+from shoal.optim._inplace import run_if
+from shoal.optim._validation import (
     check_floating_leaves,
     checked,
     require_params,
@@ -102,7 +102,7 @@ def split_fragments(params: Any, num_fragments: int) -> tuple[tuple[int, ...], .
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from shoal.optim.streaming_diloco import split_fragments
+      >>> from shoal.optim._streaming_diloco import split_fragments
       >>> params = {"a": jnp.zeros(8), "b": jnp.zeros(2), "c": jnp.zeros(4), "d": jnp.zeros(4)}
       >>> split_fragments(params, 3)
       ((0,), (1,), (2, 3))
@@ -215,7 +215,7 @@ def streaming_diloco(
 
       >>> import jax, jax.numpy as jnp, optax
       >>> from shoal.comms import AxisCollective
-      >>> from shoal.optim.streaming_diloco import streaming_diloco
+      >>> from shoal.optim import streaming_diloco
       >>> coll = AxisCollective("workers", 2)
       >>> tx = streaming_diloco(optax.sgd(0.5), collective=coll, sync_every=2,
       ...                       outer=optax.sgd(1.0), num_fragments=2)

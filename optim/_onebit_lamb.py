@@ -1,5 +1,5 @@
 """1-bit LAMB (`onebit_lamb`): LAMB's layer-wise rules in the two stages of
-`shoal.optim.onebit`: the warm-up coefficients, the momentum scales and the
+`shoal.optim._onebit`: the warm-up coefficients, the momentum scales and the
 fresh-variance factors of the compression stage.
 
 References:
@@ -21,8 +21,8 @@ from jax import lax
 from shoal import vma
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max, worker_size, worker_sums
-from shoal.optim.inplace import run_if
-from shoal.optim.onebit import OneBitLambState, check_order, check_range, hyper, two_stage
+from shoal.optim._inplace import run_if
+from shoal.optim._onebit import OneBitLambState, check_order, check_range, hyper, two_stage
 
 __all__ = ["onebit_lamb"]
 

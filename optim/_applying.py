@@ -1,7 +1,7 @@
 """Transformations that can apply their own update: `update_and_apply`.
 
 An optax step writes the update ``u`` out and ``optax.apply_updates`` reads it back. A
-transformation whose state is updated in a branch (`shoal.optim.inplace.run_if`) must
+transformation whose state is updated in a branch (`shoal.optim._inplace.run_if`) must
 write ``u`` out before the branch even when the branch does not run, since the branch
 may replace it. Given the parameters instead, it can carry them through the branch, so
 that on the steps the branch skips ``params + u`` is one pass and ``u`` is never stored:
@@ -24,7 +24,7 @@ from typing import Any
 import optax
 
 from shoal.dtypes import apply_updates
-from shoal.optim.validation import checked
+from shoal.optim._validation import checked
 
 __all__ = ["ApplyingTransformation", "applying_transformation", "update_and_apply"]
 

@@ -30,7 +30,7 @@ from shoal.comms.collective import Collective
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes
 from shoal.dtypes import promote_types
 from shoal.kernels.dct_reference import chunk_dct, chunk_idct
-from shoal.optim.validation import (
+from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
     checked,
@@ -193,7 +193,7 @@ def demo(
 
       >>> import jax, jax.numpy as jnp, optax
       >>> from shoal.comms import AxisCollective
-      >>> from shoal.optim.demo import demo
+      >>> from shoal.optim import demo
       >>> coll = AxisCollective("workers", 2)
       >>> tx = optax.chain(demo(collective=coll, chunk_size=4, topk=1), optax.sgd(0.1))
       >>> def step(params, grads):

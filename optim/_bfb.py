@@ -21,12 +21,12 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, is_simulated, reduce_scatter
 from shoal.comms.fusion import FusionPlan, plan_fusion
-from shoal.comms.gradient_order import broadcast_order
+from shoal.comms.order import broadcast_order
 from shoal.comms.servers import Layout, ParameterServers
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter, all_gather_bytes, all_to_all_bytes
 from shoal.dtypes import promote_types
-from shoal.optim.validation import check_collective, checked
+from shoal.optim._validation import check_collective, checked
 
 
 class BFBState(NamedTuple):
