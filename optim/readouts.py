@@ -58,7 +58,7 @@ class Readout:
 READOUTS = (
     # Elements sent over elements compressed by GTC (`shoal.optim._gtc.sent_fraction`).
     Readout("density", sent_fraction, by_device="mean", over_workers="mean"),
-    # The gradient noise scale B_simple (`shoal.optim.noise_scale`).
+    # The gradient noise scale B_simple (`shoal.optim.helpers.noise_scale`).
     Readout("noise_scale", noise_scale, by_device="first", over_workers="mean"),
     # Steps skipped so far for a non-finite gradient (`shoal.optim.skip_nonfinite`).
     Readout("skipped", skipped_steps, "first", "max", shown=lambda steps: steps > 0),

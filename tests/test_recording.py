@@ -15,9 +15,9 @@ from shoal.optim import (
     bmuf,
     bmuf_gtc,
     partial_exchange,
-    pgx_partition,
     skip_nonfinite,
 )
+from shoal.optim.helpers import pgx_partition
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="single-process recording")
 

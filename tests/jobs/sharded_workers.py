@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from shoal import optim
 from shoal.comms import AxisCollective
+from shoal.optim import helpers
 
 STEPS = 6
 LAYOUTS = ((2, 4), (4, 2))
@@ -79,7 +80,7 @@ def trainer(tx):
 
     def run(params, grads):
         params, state = train(params, grads)
-        scale = optim.noise_scale(state)
+        scale = helpers.noise_scale(state)
         return params if scale is None else {**params, "noise_scale": scale}
 
     return run
