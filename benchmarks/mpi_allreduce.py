@@ -9,7 +9,7 @@ time is the slowest rank's; medians):
 * ``numpy``: mpi4py's ``Allreduce`` of a NumPy float32[n] into a preallocated array (the
   floor for a float32 all-reduce from Python);
 * ``all_reduce``: ``MPICollective.all_reduce(x, "mean")``, jitted;
-* ``compressed``: `shoal.comms.compressed_allreduce` with its error buffers donated, as
+* ``compressed``: `shoal.comms.OneBit`'s ``mean`` with its error buffers donated, as
   1-bit Adam/LAMB run it;
 * ``floor``: a jitted pass that reads ``x`` and an error buffer and writes the buffer (in
   place) and a float32[n] result: the least memory any error-feedback compressor moves.
@@ -58,12 +58,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from shoal.comms import (
-        MPICollective,
-        compressed_allreduce,
-        compressed_allreduce_bytes,
-        compressed_allreduce_init,
-    )
+    from shoal.comms import MPICollective, OneBit
     from shoal.comms.wire import all_reduce_bytes
 
     coll = MPICollective()
@@ -75,15 +70,16 @@ def main() -> None:
     x = jnp.asarray(x_np)
 
     dense = jax.jit(lambda x: coll.all_reduce(x, "mean"))
+    codec = OneBit()
     compressed = jax.jit(
-        lambda x, we, se: compressed_allreduce(x, we, se, collective=coll),
-        donate_argnums=(1, 2),
+        lambda x, memory: codec.mean(x, memory, collective=coll),
+        donate_argnums=1,
     )
     floor = jax.jit(lambda x, e: (x + e, x - e), donate_argnums=1)
-    state = {"compressed": compressed_allreduce_init(n, p), "floor": jnp.zeros(n, jnp.float32)}
+    state = {"compressed": codec.init(n, p), "floor": jnp.zeros(n, jnp.float32)}
 
     def run_compressed():
-        y, *state["compressed"] = compressed(x, *state["compressed"])
+        y, state["compressed"] = compressed(x, state["compressed"])
         return y
 
     def run_floor():
@@ -121,7 +117,7 @@ def main() -> None:
     sent = {
         "numpy": all_reduce_bytes(4 * n, p)[0],
         "all_reduce": all_reduce_bytes(4 * n, p)[0],
-        "compressed": compressed_allreduce_bytes(n, p)[0],
+        "compressed": codec.wire_bytes(n, p)[0],
         "floor": 0,
     }
     tunables = os.environ.get("GLIBC_TUNABLES")

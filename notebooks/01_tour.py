@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
-from shoal.comms import AxisCollective, compressed_allreduce_bytes, wire_bytes
+from shoal.comms import AxisCollective, OneBit, wire_bytes
 from shoal.experiments.config import Config
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import allreduce_gradients, bmuf, gtc, onebit_lamb
@@ -156,7 +156,7 @@ expected = {
     "ssgd": {dense},
     "gtc": {(N - 1) * 4 * (round(0.08 * n_params) + 1)},
     "bmuf": {0, dense},
-    "onebit_lamb": {dense, compressed_allreduce_bytes(n_params, N)[0]},
+    "onebit_lamb": {dense, OneBit().wire_bytes(n_params, N)[0]},
 }
 for name, want in expected.items():
     seen = set(runs[name]["bytes"].tolist())

@@ -26,12 +26,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
-from shoal.comms import (
-    AxisCollective,
-    compressed_allreduce,
-    compressed_allreduce_bytes,
-    compressed_allreduce_init,
-)
+from shoal.comms import AxisCollective, OneBit
 from shoal.experiments.config import Config
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import onebit_lamb, onebit_moments
@@ -48,7 +43,7 @@ print(f"{N} workers, {STEPS} steps, warm-up {FREEZE} steps")
 # %% [markdown]
 # ## The compressed all-reduce and its error feedback
 #
-# `compressed_allreduce(x, worker_error, server_error, collective=...)`: each worker adds
+# `OneBit().mean(x, (worker_error, server_error), collective=...)`: each worker adds
 # its error to $x$, sends the signs of its chunks with one scale $s = \lVert v\rVert/\sqrt{n}$
 # (all-to-all), keeps what the signs missed as its new error; the worker that owns a chunk
 # averages it, adds its server error, compresses again and all-gathers. One call is a crude
@@ -61,20 +56,17 @@ print(f"{N} workers, {STEPS} steps, warm-up {FREEZE} steps")
 n, calls = 1024, 10 if SMALL else 100
 xs = jax.random.normal(jax.random.key(0), (N, n)) * jnp.linspace(0.1, 2.0, n) + 0.2
 exact = np.asarray(xs.mean(0))
-worker_error, server_error = (per_worker(e) for e in compressed_allreduce_init(n, N))
-reduce = jax.jit(
-    jax.vmap(
-        lambda x, we, se: compressed_allreduce(x, we, se, collective=coll), axis_name="workers"
-    )
-)
+codec = OneBit()
+memory = tuple(per_worker(e) for e in codec.init(n, N))  # (worker_error, server_error)
+reduce = jax.jit(jax.vmap(lambda x, m: codec.mean(x, m, collective=coll), axis_name="workers"))
 outs = []
 for _ in range(calls):
-    y, worker_error, server_error = reduce(xs, worker_error, server_error)
+    y, memory = reduce(xs, memory)
     outs.append(np.asarray(y[0]))  # the same on every worker
 running = np.cumsum(outs, 0) / np.arange(1, calls + 1)[:, None]
 rel = np.linalg.norm(running - exact, axis=1) / np.linalg.norm(exact)
 
-sent = compressed_allreduce_bytes(n, N)[0]
+sent = codec.wire_bytes(n, N)[0]
 dense = 2 * (N - 1) * 4 * n // N
 print(f"bytes per worker and call: {sent} compressed vs {dense} dense ({dense / sent:.1f}x)")
 

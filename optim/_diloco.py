@@ -26,8 +26,8 @@ import optax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
+from shoal.comms.codecs import Compressor, tree_mean
 from shoal.comms.collective import Collective, uniform_over
-from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.dtypes import apply_updates
 from shoal.optim._applying import applying_transformation

@@ -1,7 +1,7 @@
 """The shared part of 1-bit Adam (`shoal.optim.onebit_adam`) and 1-bit LAMB
 (`shoal.optim.onebit_lamb`): their states, hyper-parameter checks and the two-stage
 transformation whose momentum crosses the wire as signs, through the error-compensated
-`shoal.comms.compressed_allreduce`.
+all-reduce of `shoal.comms.OneBit`.
 
 Both run in two stages on a rank-uniform step counter ``t = 1, 2, ...`` (a real
 in-place branch, `run_if`, so each step runs only its own collectives):
@@ -41,9 +41,8 @@ import optax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
+from shoal.comms.codecs import OneBit, tree_mean
 from shoal.comms.collective import Collective
-from shoal.comms.compressed import OneBit
-from shoal.comms.compressor import tree_mean
 from shoal.comms.shards import check_sharded_alike
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.optim._held import Held

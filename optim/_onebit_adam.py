@@ -38,8 +38,8 @@ def onebit_adam(
         warm-up (t <= freeze_step), g = mean_i g_i (all-reduce):
             m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
         compression (t > freeze_step), local g_i:
-            m = compressed_allreduce(b1 m + (1 - b1) g_i)   (all leaves fused)
-            m = m * momentum_mask                           (if given)
+            m = OneBit().mean(b1 m + (1 - b1) g_i)   (all leaves fused)
+            m = m * momentum_mask                    (if given)
         update = -lr (m / (sqrt(v) + eps) + weight_decay p)
 
     Args:

@@ -79,7 +79,7 @@ def onebit_lamb(
     Compression, ``t > freeze_step``, on each worker's local ``g_i``, per layer::
 
         m_last = m;   m = (b1 m + (1 - b1) g_i) scale_l
-        m = compressed_allreduce(m) / scale_l      (all layers fused: one exchange)
+        m = OneBit().mean(m) / scale_l      (all layers fused: one exchange)
         g_rec = (m - b1 m_last) / (1 - b1);   v_fresh = b2 v_fresh + (1 - b2) g_rec^2
         d = sqrt(v) + eps;   u_pre = m / d;   u = u_pre + weight_decay p
         f = max(d / (sqrt(v_fresh) + eps))

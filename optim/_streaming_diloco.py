@@ -36,8 +36,8 @@ import optax
 
 from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
+from shoal.comms.codecs import Compressor, tree_mean
 from shoal.comms.collective import Collective, uniform_over
-from shoal.comms.compressor import Compressor, tree_mean
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.dtypes import apply_updates
 from shoal.optim._diloco import _cast_like, check_outer_args

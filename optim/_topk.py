@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from shoal.comms.agreement import check_same_structure
+from shoal.comms.codecs import TopK
 from shoal.comms.collective import Collective
-from shoal.comms.topk import TopK
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.optim._validation import check_collective, checked
 

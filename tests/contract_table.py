@@ -16,8 +16,8 @@ optax's ``contrib/_common_test.py``). The library-level contract tests read it:
 A new transformation is one row here plus its oracle (its own test file). A builder takes
 the workers' collective, or ``(intra, inter)`` for a two-tier row.
 
-The compressed exchanges of `shoal.comms` (``Quantized``, ``OneBit``, ``TopK``, ``Float32``
-and ``compressed_allreduce``/``quantized_allreduce``) are not optax transformations: they
+The compressed exchanges of `shoal.comms` (the codecs ``Quantized``, ``OneBit``, ``TopK``
+and ``Float32`` of `shoal.comms.codecs`) are not optax transformations: they
 average a flat float32 vector given their error-feedback memory, and their contracts are
 in tests/test_compressors.py, test_compressed_allreduce.py and test_quantized_allreduce.py.
 """

@@ -1,5 +1,5 @@
-"""compressed_allreduce against a NumPy oracle of the two-phase 1-bit all-reduce
-(1-bit Adam/LAMB), on simulated workers (P = 1..4) and under mpiexec -n 4."""
+"""OneBit().mean against a NumPy oracle of the two-phase 1-bit all-reduce (1-bit
+Adam/LAMB), on simulated workers (P = 1..4) and under mpiexec -n 4."""
 
 import math
 
@@ -9,13 +9,7 @@ import numpy as np
 import pytest
 from harness import UNDER_MPI, n_workers, run_workers
 
-from shoal.comms import (
-    AxisCollective,
-    compressed_allreduce,
-    compressed_allreduce_bytes,
-    compressed_allreduce_init,
-    compressed_allreduce_padded_size,
-)
+from shoal.comms import AxisCollective, OneBit
 from shoal.comms.wire import all_reduce_bytes
 
 
@@ -57,15 +51,16 @@ def oracle(x):
 
 
 def run(x, p, impl=None):
-    """Run compressed_allreduce over x[T, P, n] on P workers; {rank: (y[T], we, se)}."""
+    """Run OneBit().mean over x[T, P, n] on P workers; {rank: (y[T], we, se)}."""
     steps, _, n = x.shape
     coll = None if UNDER_MPI else AxisCollective("workers", p)
+    codec = OneBit(impl=impl)
 
     def worker(coll, xs):
-        we, se = compressed_allreduce_init(n, coll.size)
+        we, se = codec.init(n, coll.size)
         ys = []
         for t in range(steps):
-            y, we, se = compressed_allreduce(xs[t], we, se, collective=coll, impl=impl)
+            y, (we, se) = codec.mean(xs[t], (we, se), collective=coll)
             ys.append(y)
         return jnp.stack(ys), we, se
 
@@ -92,7 +87,7 @@ def test_matches_oracle(p, n):
         np.testing.assert_allclose(np.asarray(y), ys, rtol=2e-5, atol=2e-6)
         np.testing.assert_allclose(np.asarray(w), we[rank], rtol=2e-5, atol=2e-6)
         np.testing.assert_allclose(np.asarray(s), se[rank], rtol=2e-5, atol=2e-6)
-        assert w.shape == (compressed_allreduce_padded_size(n, p),)
+        assert w.shape == (OneBit().padded_size(n, p),)
 
 
 @pytest.mark.mpi
@@ -106,10 +101,10 @@ def test_pallas_interpret_path_matches_oracle():
 
 def test_padding_rule():
     # Multiples of P * lcm(P, 8): 16 for P=2, 72 for P=3, 32 for P=4, 8 for P=1.
-    assert [compressed_allreduce_padded_size(1, p) for p in (1, 2, 3, 4)] == [8, 16, 72, 32]
-    assert compressed_allreduce_padded_size(72, 3) == 72
-    assert compressed_allreduce_padded_size(73, 3) == 144
-    we, se = compressed_allreduce_init(73, 3)
+    assert [OneBit().padded_size(1, p) for p in (1, 2, 3, 4)] == [8, 16, 72, 32]
+    assert OneBit().padded_size(72, 3) == 72
+    assert OneBit().padded_size(73, 3) == 144
+    we, se = OneBit().init(73, 3)
     assert we.shape == (144,) and se.shape == (48,) and we.dtype == jnp.float32
     assert not we.any() and not se.any()
 
@@ -123,7 +118,7 @@ def test_output_identical_on_every_worker_and_signs_times_scales():
     for y, _, _ in out.values():
         y = np.asarray(y)
         # Every chunk of the output is +-one scale: 1 bit and 1 float per chunk.
-        c = compressed_allreduce_padded_size(77, p) // p
+        c = OneBit().padded_size(77, p) // p
         for r in range(p):
             chunk = np.abs(y[:, r * c : (r + 1) * c])
             if chunk.size:
@@ -141,11 +136,10 @@ def test_error_feedback_conserves_and_tracks_the_mean():
     coll = None if UNDER_MPI else AxisCollective("workers", p)
 
     def worker(coll, xs):
-        we, se = compressed_allreduce_init(n, coll.size)
+        we, se = OneBit().init(n, coll.size)
 
         def body(carry, x_t):
-            we, se = carry
-            y, we, se = compressed_allreduce(x_t, we, se, collective=coll)
+            y, (we, se) = OneBit().mean(x_t, carry, collective=coll)
             return (we, se), y
 
         (we, se), ys = jax.lax.scan(body, (we, se), xs)
@@ -179,7 +173,7 @@ class CountingCollective:
         return self.inner.uniform(x)
 
     def all_reduce(self, tree, op="mean"):
-        raise AssertionError("compressed_allreduce must not all-reduce")
+        raise AssertionError("OneBit().mean must not all-reduce")
 
     def all_to_all(self, x):
         self.log.append(("all_to_all", x.dtype, x.shape))
@@ -196,7 +190,7 @@ def test_wire_bytes_hand_computed(n, p):
     b = n_pad // p // 8  # sign bytes per chunk
     # all-to-all of n_pad/8 bytes, all-gather of 4 + b + 4 bytes, (P-1)/P and (P-1) rules.
     expected = (p - 1) * (n_pad // 8) // p + (p - 1) * 4 + (p - 1) * b + (p - 1) * 4
-    assert compressed_allreduce_bytes(n, p) == (expected, expected)
+    assert OneBit().wire_bytes(n, p) == (expected, expected)
     if (n, p) == (1000, 4):
         assert expected == 3 * 32 + 12 + 3 * 32 + 12 == 216
     dense = all_reduce_bytes(4 * n, p)[0]
@@ -207,7 +201,7 @@ def test_wire_bytes_hand_computed(n, p):
     coll = CountingCollective(AxisCollective("workers", p))
     jax.eval_shape(
         jax.vmap(
-            lambda x, we, se: compressed_allreduce(x, we, se, collective=coll),
+            lambda x, we, se: OneBit().mean(x, (we, se), collective=coll),
             axis_name="workers",
         ),
         jax.ShapeDtypeStruct((p, n), jnp.float32),
@@ -221,7 +215,7 @@ def test_wire_bytes_hand_computed(n, p):
 
 def test_bytes_against_float32_allreduce_16m():
     n, p = 1 << 24, 4
-    sent, received = compressed_allreduce_bytes(n, p)
+    sent, received = OneBit().wire_bytes(n, p)
     assert sent == received == 2 * 3 * (n // 4 // 8 + 4)
     assert all_reduce_bytes(4 * n, p)[0] / sent == pytest.approx(32, rel=1e-4)
 
@@ -240,15 +234,23 @@ def test_bytes_against_float32_allreduce_16m():
 def test_bad_input(kwargs, error, match):
     coll = AxisCollective("workers", 4)
     args = {"x": np.ones(10, np.float32)}
-    args["worker_error"], args["server_error"] = compressed_allreduce_init(10, 4)
+    args["worker_error"], args["server_error"] = OneBit().init(10, 4)
     args.update(kwargs)
+    memory = (args["worker_error"], args["server_error"])
     with pytest.raises(error, match=match):
-        compressed_allreduce(**args, collective=coll)
+        OneBit().mean(args["x"], memory, collective=coll)
+
+
+def test_memory_of_the_wrong_length():
+    coll = AxisCollective("workers", 4)
+    we, _ = OneBit().init(10, 4)
+    with pytest.raises(ValueError, match="memory must hold 2 buffers"):
+        OneBit().mean(np.ones(10, np.float32), (we,), collective=coll)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_bad_sizes(bad):
     with pytest.raises(ValueError, match="n must be an int >= 1"):
-        compressed_allreduce_init(bad, 4)
+        OneBit().init(bad, 4)
     with pytest.raises(ValueError, match="size must be an int >= 1"):
-        compressed_allreduce_bytes(10, bad)
+        OneBit().wire_bytes(10, bad)

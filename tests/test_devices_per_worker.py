@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from harness import QUICKSTART, mpiexec, read_jsonl
 
-from shoal.comms import compressed_allreduce_bytes
+from shoal.comms import OneBit
 from shoal.comms.wire import all_gather_bytes, all_reduce_bytes
 from shoal.experiments.overrides import apply_overrides, load_file
 from shoal.experiments.runner.cli import main
@@ -131,7 +131,7 @@ def check_same_training(tmp_path, names, workers, k, processes, devices=8, steps
             density = [r["density"] * padded for r in d]
             np.testing.assert_allclose(density, [r["density"] * n for r in s], rtol=1e-6)
         if name == "onebit_lamb":
-            per_device = compressed_allreduce_bytes(piece, workers)[0] + flag
+            per_device = OneBit().wire_bytes(piece, workers)[0] + flag
             np.testing.assert_array_equal(sent[freeze:], k * per_device)
             loss, sim_loss = (np.array([r["loss"] for r in x[freeze:]]) for x in (d, s))
             assert np.isfinite(loss).all()

@@ -29,7 +29,7 @@ import pytest
 from jax import lax
 
 from shoal.comms import AxisCollective, OneBit, Quantized, TopK
-from shoal.comms.compressor import tree_mean
+from shoal.comms.codecs import tree_mean
 from shoal.dtypes import apply_updates
 from shoal.optim import (
     demo,

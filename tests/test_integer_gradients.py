@@ -17,9 +17,6 @@ from shoal.comms import (
     OneBit,
     Quantized,
     TopK,
-    compressed_allreduce,
-    compressed_allreduce_init,
-    quantized_allreduce,
 )
 
 PARAMS = {"b": jnp.zeros((2,)), "w": jnp.zeros((3,))}
@@ -69,8 +66,7 @@ def test_integer_gradient_is_refused_by_name(name):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda x, c: quantized_allreduce(x, collective=c, fmt="int8", block=2),
-        lambda x, c: compressed_allreduce(x, *compressed_allreduce_init(4, 2), collective=c),
+        lambda x, c: Quantized("int8", block=2, error_feedback=False).mean(x, collective=c),
         lambda x, c: Quantized("fp4", block=2).mean(
             x, Quantized("fp4", block=2).init(4, 2), collective=c
         ),
@@ -78,7 +74,7 @@ def test_integer_gradient_is_refused_by_name(name):
         lambda x, c: TopK(fraction=0.5).mean(x, TopK(fraction=0.5).init(4, 2), collective=c),
         lambda x, c: Float32().mean(x, collective=c),
     ],
-    ids=["quantized_allreduce", "compressed_allreduce", "Quantized", "OneBit", "TopK", "Float32"],
+    ids=["Quantized_int8_no_feedback", "Quantized", "OneBit", "TopK", "Float32"],
 )
 def test_comms_exchanges_refuse_integer_vectors(call):
     # The flat-vector exchanges take float32 only (a TypeError naming x and the dtype).

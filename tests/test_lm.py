@@ -13,7 +13,7 @@ import harness
 import numpy as np
 import pytest
 
-from shoal.comms import compressed_allreduce_bytes, tree_nbytes
+from shoal.comms import OneBit, tree_nbytes
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.reports import SAMPLES_PLOT, volume_reduction
@@ -109,7 +109,7 @@ def test_onebit_lamb_wire_bytes(lm_run):
     ring = 2 * (WORKERS - 1) * nbytes // WORKERS
     n_pad = -(-n // 32) * 32
     compressed = 2 * (WORKERS - 1) * (n_pad // WORKERS // 8 + 4)
-    assert compressed_allreduce_bytes(n, WORKERS) == (compressed, compressed)
+    assert OneBit().wire_bytes(n, WORKERS) == (compressed, compressed)
     # Every step first all-reduces the non-finite flag (one int32) over the workers.
     flag = 2 * (WORKERS - 1) * 4 // WORKERS
     expect = [(ring if step <= FREEZE else compressed) + flag for step in range(1, STEPS + 1)]

@@ -1,5 +1,7 @@
-"""quantized_allreduce (int8 / fp8 e4m3 / fp4 e2m1 with absmax block scales) against a
+"""Quantized(fmt).mean (int8 / fp8 e4m3 / fp4 e2m1 with absmax block scales) against a
 NumPy oracle, on simulated workers (P = 1..4) and under mpiexec -n 4."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +10,7 @@ import numpy as np
 import pytest
 from harness import UNDER_MPI, n_workers, run_workers
 
-from shoal.comms import AxisCollective
-from shoal.comms.quantized import (
-    quantized_allreduce,
-    quantized_allreduce_bytes,
-    quantized_allreduce_init,
-    quantized_allreduce_padded_size,
-)
+from shoal.comms import AxisCollective, Quantized
 from shoal.comms.wire import all_reduce_bytes
 from shoal.kernels.quant_reference import dequantize_reference, quantize_reference
 
@@ -162,20 +158,19 @@ def test_quantize_matches_numpy(fmt):
 
 
 def run(x, fmt, block, feedback=True):
-    """quantized_allreduce over x[T, P, n] on P workers; {rank: (y[T], we, se)}."""
+    """Quantized(fmt).mean over x[T, P, n] on P workers; {rank: (y[T], we, se)}."""
     steps, p, n = x.shape
     coll = None if UNDER_MPI else AxisCollective("workers", p)
+    codec = Quantized(fmt, block=block)
+    plain = Quantized(fmt, block=block, error_feedback=False)
 
     def worker(coll, xs):
-        we, se = quantized_allreduce_init(n, coll.size, fmt, block)
+        we, se = codec.init(n, coll.size)
 
         def body(carry, x_t):
             if not feedback:
-                return carry, quantized_allreduce(x_t, collective=coll, fmt=fmt, block=block)
-            we, se = carry
-            y, we, se = quantized_allreduce(
-                x_t, collective=coll, fmt=fmt, block=block, worker_error=we, server_error=se
-            )
+                return carry, plain.mean(x_t, collective=coll)[0]
+            y, (we, se) = codec.mean(x_t, carry, collective=coll)
             return (we, se), y
 
         (we, se), ys = jax.lax.scan(body, (we, se), xs)
@@ -215,7 +210,7 @@ def test_matches_oracle(fmt, p, feedback):
             tol = 1e-6 * np.abs(x).max()
             np.testing.assert_allclose(np.asarray(w), we[rank], rtol=0, atol=tol)
             np.testing.assert_allclose(np.asarray(s), se[rank], rtol=0, atol=tol)
-        assert w.shape == (quantized_allreduce_padded_size(n, p, block),)
+        assert w.shape == (Quantized(fmt, block=block).padded_size(n, p),)
 
 
 @pytest.mark.mpi
@@ -240,7 +235,7 @@ def test_output_identical_on_every_worker(fmt):
     x = inputs(4, 1, p, 100)[0]
 
     def worker(coll, x):
-        y = quantized_allreduce(x, collective=coll, fmt=fmt, block=8)
+        y = Quantized(fmt, block=8, error_feedback=False).mean(x, collective=coll)[0]
         return y, coll.all_gather(y)
 
     for y, everyone in run_workers(worker, jnp.asarray(x), collective=coll).values():
@@ -271,17 +266,15 @@ def test_error_feedback_telescopes_and_tracks_the_mean(fmt):
     coll = None if UNDER_MPI else AxisCollective("workers", p)
 
     def worker(coll, xs, feedback):
-        we, se = quantized_allreduce_init(n, coll.size, fmt, block)
+        codec = Quantized(fmt, block=block, error_feedback=feedback)
+        we, se = Quantized(fmt, block=block).init(n, coll.size)
 
         def body(carry, x_t):
-            we, se = carry
             if feedback:
-                y, we, se = quantized_allreduce(
-                    x_t, collective=coll, fmt=fmt, block=block, worker_error=we, server_error=se
-                )
+                y, carry = codec.mean(x_t, carry, collective=coll)
             else:
-                y = quantized_allreduce(x_t, collective=coll, fmt=fmt, block=block)
-            return (we, se), y
+                y = codec.mean(x_t, collective=coll)[0]
+            return carry, y
 
         (we, se), ys = jax.lax.scan(body, (we, se), xs)
         return ys, coll.all_reduce(we, "mean"), coll.all_gather(se).reshape(-1)
@@ -318,7 +311,7 @@ class CountingCollective:
         return self.inner.rank()
 
     def all_reduce(self, tree, op="mean"):
-        raise AssertionError("quantized_allreduce must not all-reduce")
+        raise AssertionError("Quantized(fmt).mean must not all-reduce")
 
     def all_to_all(self, x):
         self.log.append(("all_to_all", x.dtype, x.shape))
@@ -337,7 +330,7 @@ def test_wire_bytes_hand_computed(fmt, n, p, block):
     bits = 4 if fmt == "fp4" else 8
     row = c * bits // 8 + 4 * (c // block)
     expected = 2 * (p - 1) * row
-    assert quantized_allreduce_bytes(n, p, fmt, block) == (expected, expected)
+    assert Quantized(fmt, block=block).wire_bytes(n, p) == (expected, expected)
     if (fmt, n, p, block) == ("fp4", 1024, 4, 128):
         assert expected == 2 * 3 * (128 + 8) == 816
     if n == 1 << 20:  # n_pad == n: 32 / (bits + 32 / block) times less than float32
@@ -348,19 +341,17 @@ def test_wire_bytes_hand_computed(fmt, n, p, block):
     coll = CountingCollective(AxisCollective("workers", p))
     for errors in (False, True):
         coll.log.clear()
-        kwargs = {}
+        codec = Quantized(fmt, block=block, error_feedback=errors)
+        memory = ()
         if errors:
-            kwargs = {
-                "worker_error": jax.ShapeDtypeStruct((p, n_pad), jnp.float32),
-                "server_error": jax.ShapeDtypeStruct((p, c), jnp.float32),
-            }
+            memory = (
+                jax.ShapeDtypeStruct((p, n_pad), jnp.float32),
+                jax.ShapeDtypeStruct((p, c), jnp.float32),
+            )
         jax.eval_shape(
-            jax.vmap(
-                lambda x, **e: quantized_allreduce(x, collective=coll, fmt=fmt, block=block, **e),
-                axis_name="workers",
-            ),
+            jax.vmap(functools.partial(codec.mean, collective=coll), axis_name="workers"),
             jax.ShapeDtypeStruct((p, n), jnp.float32),
-            **kwargs,
+            memory,
         )
         assert coll.log == [("all_to_all", jnp.uint8, (p, row)), ("all_gather", jnp.uint8, (row,))]
 
@@ -401,27 +392,30 @@ def test_bad_input(kwargs, error, match):
     args = {"x": np.ones(10, np.float32), "fmt": "int8", "block": 8}
     args.update(kwargs)
     with pytest.raises(error, match=match):
-        quantized_allreduce(**args, collective=AxisCollective("workers", 4))
+        codec = Quantized(args["fmt"], block=args["block"])
+        worker_error, server_error = codec.init(10, 4)
+        memory = (args.get("worker_error", worker_error), args.get("server_error", server_error))
+        codec.mean(args["x"], memory, collective=AxisCollective("workers", 4))
 
 
 def test_bad_sizes():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="n must be an int >= 1"):
-            quantized_allreduce_init(bad, 4, "int8")
+            Quantized("int8").init(bad, 4)
         with pytest.raises(ValueError, match="size must be an int >= 1"):
-            quantized_allreduce_bytes(10, bad, "int8")
+            Quantized("int8").wire_bytes(10, bad)
         with pytest.raises(ValueError, match="block must be an int >= 1"):
-            quantized_allreduce_padded_size(10, 4, bad)
+            Quantized("int8", block=bad).padded_size(10, 4)
     with pytest.raises(ValueError, match="fmt must be one of"):
-        quantized_allreduce_bytes(10, 4, "fp16")
+        Quantized("fp16").wire_bytes(10, 4)
     with pytest.raises(ValueError, match="block must be even"):
-        quantized_allreduce_init(10, 4, "fp4", block=3)
+        Quantized("fp4", block=3).init(10, 4)
 
 
 def test_padding_rule_and_init():
-    assert quantized_allreduce_padded_size(1, 3, 8) == 24
-    assert quantized_allreduce_padded_size(24, 3, 8) == 24
-    assert quantized_allreduce_padded_size(25, 3, 8) == 48
-    we, se = quantized_allreduce_init(25, 3, "fp8", 8)
+    assert Quantized("int8", block=8).padded_size(1, 3) == 24
+    assert Quantized("int8", block=8).padded_size(24, 3) == 24
+    assert Quantized("int8", block=8).padded_size(25, 3) == 48
+    we, se = Quantized("fp8", block=8).init(25, 3)
     assert we.shape == (48,) and se.shape == (16,) and we.dtype == se.dtype == jnp.float32
     assert not we.any() and not se.any()

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shoal.checks import check_int
-from shoal.comms.compressor import Compressor
+from shoal.comms.codecs.base import Compressor
 
 __all__ = ["VALUE_BITS", "TopK"]
 

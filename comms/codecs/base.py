@@ -7,13 +7,13 @@ with the error feedback kept in a ``memory`` tuple the caller carries in its sta
 
 ``"all_reduce"`` (`Float32`)
     a plain float32 all-reduce (mean): nothing is lost, no memory.
-``"two_phase"`` (`shoal.comms.compressed.OneBit`, `shoal.comms.quantized.Quantized`)
+``"two_phase"`` (`shoal.comms.codecs.OneBit`, `shoal.comms.codecs.Quantized`)
     the compressed all-reduce of 1-bit Adam: the buffer is padded to ``n_pad`` and cut into
     ``P`` chunks of ``c``; each worker encodes all ``P`` (``v = pad(x) + e``,
     ``e <- v - D(E(v))``), an all-to-all sends chunk ``r`` to worker ``r``, which sums
     the decoded chunks in source order, averages, adds its server error ``e_r``,
     re-encodes (``e_r <- m - D(E(m))``) and all-gathers the result.
-``"all_gather"`` (`shoal.comms.topk.TopK`)
+``"all_gather"`` (`shoal.comms.codecs.TopK`)
     sparse payloads, which do not add: each worker encodes ``v = pad(x) + e`` (``e <- v -
     D(E(v))``), all-gathers the fixed-size payloads and averages the ``P`` decodings in
     source order.
@@ -360,7 +360,7 @@ def tree_mean(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from shoal.comms import AxisCollective, TopK
-      >>> from shoal.comms.compressor import tree_mean
+      >>> from shoal.comms.codecs import tree_mean
       >>> coll = AxisCollective("workers", 2)
       >>> exchange = TopK(fraction=1.0, error_feedback=False)  # every value: the exact mean
       >>> f = lambda t: tree_mean(t, collective=coll, exchange=exchange)[0]
