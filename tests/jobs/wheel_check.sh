@@ -48,7 +48,9 @@ for dirpath, _, files in os.walk(os.path.join(src, "shoal"), followlinks=True):
     tree |= {os.path.join(rel, f) for f in files if f.endswith(".py")}
 with tarfile.open(sdist) as tar:
     links = [m.name for m in tar.getmembers() if m.issym() or m.islnk()]
-    in_sdist = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
+    # The sdist holds the package under src/ (src/shoal is the link to shoal/).
+    in_sdist = {m.name.split("/", 1)[1].removeprefix("src/") for m in tar.getmembers()
+                if m.isfile()}
 with zipfile.ZipFile(wheel) as whl:
     in_wheel = {n for n in whl.namelist() if n.endswith(".py")}
 problems = []
