@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import optax
 
 from shoal.comms import Collective, RecordingCollective
-from shoal.experiments.fields import ConfigError, check_types, from_mapping
+from shoal.experiments.fields import ConfigError, check_types, from_mapping, rebuilt
 from shoal.optim import skip_nonfinite
 
 if TYPE_CHECKING:
@@ -345,30 +345,9 @@ def resolve_all(cfg: Config) -> tuple[Entry, ...]:
 def check_params(params: Mapping[str, Any]) -> dict[str, Hyper]:
     """``Config.params`` checked: every key a registered algorithm, every value its
     hyper-parameters (`params_of`), made again so that their checks see the final values."""
-    from shoal.experiments.fields import rebuilt
-
     if not isinstance(params, Mapping):
         raise ConfigError(
             "config field 'params' must be a dict of algorithm name -> hyper-parameters, "
             f"got {type(params).__name__}"
         )
     return {name: rebuilt(params_of(name, value)) for name, value in params.items()}
-
-
-__all__ = [
-    "ALGORITHMS",
-    "Algorithm",
-    "Builder",
-    "Comms",
-    "Context",
-    "Entry",
-    "Hyper",
-    "algorithm",
-    "check_params",
-    "is_reference",
-    "params_of",
-    "parse_entry",
-    "register",
-    "resolve",
-    "resolve_all",
-]

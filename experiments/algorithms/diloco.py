@@ -9,32 +9,21 @@ import dataclasses
 import optax
 
 from shoal import optim
-from shoal.experiments.algorithms._registry import Context, Hyper, register
-from shoal.experiments.algorithms.parts import Exchange, InnerOptimizer, OuterSGD
-from shoal.experiments.fields import ConfigError, check_field
+from shoal.experiments.algorithms._registry import Context, register
+from shoal.experiments.algorithms.parts import Exchange, InnerOptimizer, OuterSGD, RoundFields
 
 
 @dataclasses.dataclass(frozen=True)
-class DiLoCo(Hyper):
-    """Inner steps per round H, the inner and outer optimizers, and the exchange of the
-    outer gradient."""
+class DiLoCo(RoundFields):
+    """Inner steps per round H (`RoundFields`), the inner and outer optimizers, and the
+    exchange of the outer gradient."""
 
-    sync_every: int = 10
     inner: InnerOptimizer = InnerOptimizer()
     outer: OuterSGD = OuterSGD()
     exchange: Exchange = Exchange()
 
-    def check(self) -> None:
-        check_field(self.sync_every >= 1, "sync_every", "an int >= 1")
-
     def check_run(self, run) -> None:
-        # The runner evaluates the workers' models: make the last step an outer step,
-        # after which every worker holds the global model.
-        if run.steps % self.sync_every:
-            raise ConfigError(
-                f"steps = {run.steps} must be a multiple of sync_every = {self.sync_every}, "
-                "so that the last step is an outer step"
-            )
+        self.check_last_step(run)
 
 
 @register("diloco", DiLoCo, skip_in_place="apply")

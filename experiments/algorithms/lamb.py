@@ -24,12 +24,4 @@ class LAMB(LambFields):
 # 1.94x -> 1.84x local SGD's step, side by side in one process).
 @register("lamb", LAMB, skip_in_place="apply")
 def build(p: LAMB, ctx: Context) -> optax.GradientTransformation:
-    steps = ctx.run.steps
-    return optim.onebit_lamb(
-        p.schedule(steps),
-        collective=ctx.comms,
-        freeze_step=steps + 1,
-        b1=p.b1,
-        b2=p.b2,
-        weight_decay=p.weight_decay,
-    )
+    return p.rule(optim.onebit_lamb, ctx, freeze_step=ctx.run.steps + 1)

@@ -21,8 +21,8 @@ from optax import contrib
 from shoal import optim
 from shoal.dtypes import standard_promotion
 from shoal.experiments.algorithms._registry import Context, Hyper, register
-from shoal.experiments.algorithms.parts import Exchange, OuterSGD
-from shoal.experiments.fields import ConfigError, check_field
+from shoal.experiments.algorithms.parts import Exchange, OuterSGD, RoundFields
+from shoal.experiments.fields import check_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,26 +59,16 @@ class Muon(Hyper):
 
 
 @dataclasses.dataclass(frozen=True)
-class MuLoCo(Hyper):
-    """Inner steps per round H, Muon inside, the outer Nesterov SGD, and the exchange of
-    the outer gradient."""
+class MuLoCo(RoundFields):
+    """Inner steps per round H (`RoundFields`), Muon inside, the outer Nesterov SGD, and
+    the exchange of the outer gradient."""
 
-    sync_every: int = 10
     inner: Muon = Muon()
     outer: OuterSGD = OuterSGD()
     exchange: Exchange = Exchange()
 
-    def check(self) -> None:
-        check_field(self.sync_every >= 1, "sync_every", "an int >= 1")
-
     def check_run(self, run) -> None:
-        # As DiLoCo: the last step must be an outer step, so every worker holds the
-        # global model when the runner evaluates it.
-        if run.steps % self.sync_every:
-            raise ConfigError(
-                f"steps = {run.steps} must be a multiple of sync_every = {self.sync_every}, "
-                "so that the last step is an outer step"
-            )
+        self.check_last_step(run)  # as DiLoCo's
 
 
 @register("muloco", MuLoCo, skip_in_place="apply")

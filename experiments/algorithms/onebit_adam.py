@@ -21,12 +21,4 @@ class OneBitAdam(OneBitFields):
 # "apply": the update is the same on every worker (as 1-bit LAMB's).
 @register("onebit_adam", OneBitAdam, skip_in_place="apply")
 def build(p: OneBitAdam, ctx: Context) -> optax.GradientTransformation:
-    steps = ctx.run.steps
-    return optim.onebit_adam(
-        p.schedule(steps),
-        collective=ctx.comms,
-        freeze_step=p.frozen_at(steps),
-        b1=p.b1,
-        b2=p.b2,
-        weight_decay=p.weight_decay,
-    )
+    return p.rule(optim.onebit_adam, ctx, freeze_step=p.frozen_at(ctx.run.steps))

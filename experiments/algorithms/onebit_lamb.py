@@ -27,12 +27,4 @@ class OneBitLAMB(OneBitFields):
     warmup=onebit_warmup,
 )
 def build(p: OneBitLAMB, ctx: Context) -> optax.GradientTransformation:
-    steps = ctx.run.steps
-    return optim.onebit_lamb(
-        p.schedule(steps),
-        collective=ctx.comms,
-        freeze_step=p.frozen_at(steps),
-        b1=p.b1,
-        b2=p.b2,
-        weight_decay=p.weight_decay,
-    )
+    return p.rule(optim.onebit_lamb, ctx, freeze_step=p.frozen_at(ctx.run.steps))

@@ -16,13 +16,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import optax
 
 from shoal.comms import Compressor, Quantized, TopK
 from shoal.dtypes import standard_promotion
-from shoal.experiments.algorithms._registry import Hyper
+from shoal.experiments.algorithms._registry import Context, Hyper
 from shoal.experiments.fields import ConfigError, check_field
 
 if TYPE_CHECKING:
@@ -124,6 +125,26 @@ class InnerOptimizer(Hyper):
 
 
 @dataclasses.dataclass(frozen=True)
+class RoundFields(Hyper):
+    """The inner steps per round H of the DiLoCo family (`shoal.optim.diloco`): every
+    ``sync_every`` steps the outer step averages the workers' progress."""
+
+    sync_every: int = 10
+
+    def check(self) -> None:
+        check_field(self.sync_every >= 1, "sync_every", "an int >= 1")
+
+    def check_last_step(self, run: Config) -> None:
+        """The runner evaluates the workers' models: make the last step an outer step,
+        after which every worker holds the global model."""
+        if run.steps % self.sync_every:
+            raise ConfigError(
+                f"steps = {run.steps} must be a multiple of sync_every = {self.sync_every}, "
+                "so that the last step is an outer step"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class GTCFields(Hyper):
     """GTC's threshold tau and its buffer: words per worker per step as a fraction of the
     parameters (`shoal.optim.gtc`)."""
@@ -196,6 +217,20 @@ class LambFields(Hyper):
         # Starts at peak / warm, not 0: step 0 is a real step.
         ramp = optax.linear_schedule(peak / warm, peak, warm - 1)
         return optax.join_schedules([ramp, after], [warm])
+
+    def rule(
+        self, factory: Callable[..., optax.GradientTransformation], ctx: Context, freeze_step: int
+    ) -> optax.GradientTransformation:
+        """``factory`` (`shoal.optim.onebit_lamb` or `shoal.optim.onebit_adam`) with these
+        fields over the run, dense for its first ``freeze_step`` steps."""
+        return factory(
+            self.schedule(ctx.run.steps),
+            collective=ctx.comms,
+            freeze_step=freeze_step,
+            b1=self.b1,
+            b2=self.b2,
+            weight_decay=self.weight_decay,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,17 +9,16 @@ import dataclasses
 import optax
 
 from shoal import optim
-from shoal.experiments.algorithms._registry import Context, Hyper, register
-from shoal.experiments.algorithms.parts import Exchange, InnerOptimizer, OuterSGD
+from shoal.experiments.algorithms._registry import Context, register
+from shoal.experiments.algorithms.parts import Exchange, InnerOptimizer, OuterSGD, RoundFields
 from shoal.experiments.fields import check_field
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingDiLoCo(Hyper):
+class StreamingDiLoCo(RoundFields):
     """DiLoCo's fields, the fragments, the overlap tau (in [0, sync_every)) and the
     merge's weight on the local model."""
 
-    sync_every: int = 10
     fragments: int = 4
     overlap: int = 0
     mix: float = 0.5
@@ -28,7 +27,7 @@ class StreamingDiLoCo(Hyper):
     exchange: Exchange = Exchange()
 
     def check(self) -> None:
-        check_field(self.sync_every >= 1, "sync_every", "an int >= 1")
+        super().check()
         check_field(
             0 <= self.overlap < self.sync_every,
             "overlap",
