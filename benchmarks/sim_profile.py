@@ -46,7 +46,7 @@ from sim_scale import CONFIG, Case, Program, Runner, compile_donated, fmt_params
 from shoal.experiments.overrides import load_config
 from shoal.experiments.runner import malloc
 
-DEFAULT_ALGORITHMS = "ssgd,gtc,bmuf,onebit_lamb[freeze_step=10],bfb"
+DEFAULT_ALGORITHMS = "ssgd,gtc,bmuf,onebit_lamb[freeze_step=10],bfb_allreduce"
 WARMUP = 12  # steps before the profile: past onebit_lamb's freeze_step = 10
 GROUPS = (
     "matmul",

@@ -37,7 +37,7 @@ of the baseline blocks interleaved with it. Algorithms whose cost depends on the
   timed after an untimed warm-up beyond it (the stage of every timed step is checked on
   the state's counter);
 * ``adaptive``: its starting stage, S-SGD with the noise-scale monitor (``ssgd_noise``);
-  after the policy switches it runs ``pgx`` at adaptive's ``fraction``.
+  after the policy switches it runs ``partial_exchange`` at adaptive's ``fraction``.
 
 GTC's decode costs what it sends (`shoal.kernels.gtc_reference`), so the report gives the
 density (elements sent over elements) of the largest worker at the end of each timed block
@@ -125,9 +125,9 @@ TARGETS = {
     "bmuf:amortised": 1.1,
     "bmuf:local": 1.05,
     "onebit_lamb:compression": 1.6,
-    "bfb": 1.3,
-    "pgx": 1.2,
-    "peer": 1.2,
+    "bfb_allreduce": 1.3,
+    "partial_exchange": 1.2,
+    "peer_averaging": 1.2,
     "sma": 1.2,
 }
 
@@ -232,8 +232,8 @@ def row_labels(prog: Program, cfg) -> list[tuple[str, str]]:
         return [(f"{prog.algorithm}:{prog.stage}", f"{prog.algorithm} {prog.stage} stage")]
     if prog.algorithm == "adaptive":
         return [("adaptive", f"adaptive ({cfg.params['adaptive'].sync} sync stage: ssgd_noise)")]
-    if prog.algorithm == "bfb":
-        return [("bfb", "bfb (colocated)")]
+    if prog.algorithm == "bfb_allreduce":
+        return [("bfb_allreduce", "bfb_allreduce (colocated)")]
     return [(prog.algorithm, prog.algorithm)]
 
 
@@ -782,8 +782,9 @@ def report(cases, progs, names, cfg, skipped, chunks, load_start, load_end, wall
     if "adaptive" in names:
         print(
             f"adaptive starts as S-SGD with the noise-scale monitor; once the policy switches "
-            f"it runs pgx at adaptive.fraction = {cfg.params['adaptive'].fraction} (the pgx "
-            f"row: pgx.fraction = {cfg.params['pgx'].fraction})."
+            f"it runs partial_exchange at adaptive.fraction = "
+            f"{cfg.params['adaptive'].fraction} (the partial_exchange row: "
+            f"partial_exchange.fraction = {cfg.params['partial_exchange'].fraction})."
         )
         print()
 

@@ -134,9 +134,9 @@ def _unknown_field(error: TypeError, module: str) -> str | None:
 
 def _unknown_key(cls: type, name: str, key: str) -> str:
     if issubclass(cls, Config):
-        from shoal.experiments.algorithms.renamed import new_spelling
+        from shoal.experiments.algorithms.renamed import new_entry, new_spelling
 
-        moved = new_spelling(name)
+        moved = new_spelling(name) or new_entry(name)
         if moved:
             return moved
     names = [f.name for f in dataclasses.fields(cls)]

@@ -4,7 +4,7 @@
 # Brabete's KungFu (MEng thesis, 2019) offers strategies beyond S-SGD, all here as optax
 # transformations:
 #
-# * **partial gradient exchange** (`partial_exchange`, "pgx"): the gradient leaves are
+# * **partial gradient exchange** (`partial_exchange`, "partial_exchange"): the gradient leaves are
 #   packed into bins of at most a fraction $f$ of the gradient bytes; step $t$ averages
 #   bin $t \bmod P$ and keeps the rest local;
 # * **peer model averaging** (`peer_averaging`): each step worker $r$ averages its model
@@ -142,13 +142,13 @@ predicted = next(
 )
 print(f"noise threshold {adaptive.threshold:.0f}; switch predicted at step {predicted}")
 
-algorithms = ["pgx[fraction=0.3]", "peer[strategy=round_robin]", "adaptive"]
+algorithms = ["partial_exchange[fraction=0.3]", "peer_averaging[strategy=round_robin]", "adaptive"]
 if not SMALL:
     algorithms = [
-        "pgx[fraction=0.3]",
-        "pgx[fraction=0.1]",
-        "peer[strategy=round_robin]",
-        "peer[strategy=random]",
+        "partial_exchange[fraction=0.3]",
+        "partial_exchange[fraction=0.1]",
+        "peer_averaging[strategy=round_robin]",
+        "peer_averaging[strategy=random]",
         "sma",
         "adaptive",
     ]
@@ -203,7 +203,7 @@ ax.set(
 ax.legend(fontsize=7)
 
 ax = axes[1, 1]
-for entry in ("ssgd_noise", "adaptive", "pgx[fraction=0.3]"):
+for entry in ("ssgd_noise", "adaptive", "partial_exchange[fraction=0.3]"):
     ax.plot(steps, [x["bytes_sent"] / 1e3 for x in runs[entry].records], lw=1, label=entry)
 ax.set(xlabel="step", ylabel="kB sent per worker", title="bytes per step")
 ax.legend(fontsize=7)

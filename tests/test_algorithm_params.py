@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import re
 import textwrap
 
 import jax
@@ -18,12 +19,20 @@ import numpy as np
 import optax
 import pytest
 
+from shoal import optim
 from shoal.comms import AxisCollective, Quantized, TopK, wire_bytes
 from shoal.experiments import algorithms
-from shoal.experiments.algorithms import ALGORITHMS, Context, Hyper, register, resolve
+from shoal.experiments.algorithms import (
+    ALGORITHMS,
+    Context,
+    Hyper,
+    register,
+    resolve,
+    resolve_all,
+)
 from shoal.experiments.algorithms.diloco import DiLoCo
 from shoal.experiments.algorithms.parts import Exchange
-from shoal.experiments.algorithms.renamed import RENAMED
+from shoal.experiments.algorithms.renamed import RENAMED, RENAMED_ENTRIES
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import apply_overrides, load_file
 from shoal.experiments.runner.checkpoint import config_fields
@@ -365,6 +374,35 @@ def test_every_old_name_is_refused_naming_the_new_spelling(old, tmp_path):
         assert f"'{old}'" in str(e.value), str(e.value)
         mine = [h.partition(".")[2] for h in homes if h.partition(".")[0] == name]
         assert f"{name}[{mine[0]}=...]" in str(e.value), str(e.value)
+
+
+def test_entries_speak_the_librarys_vocabulary():
+    # An entry that runs one shoal.optim transformation carries its name; any other is a
+    # recipe named for its paper's method, whose docstring names what it chains.
+
+    for name, algo in ALGORITHMS.items():
+        module = importlib.import_module(algo.build.__module__)
+        assert module.__name__.rpartition(".")[2] == name, (name, module.__name__)
+        if name in optim.__all__:
+            continue
+        chained = re.findall(r"`shoal\.optim\.(\w+)`", module.__doc__ or "")
+        assert chained and set(chained) <= set(optim.__all__), (name, chained)
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_ENTRIES))
+def test_an_old_entry_name_is_refused_naming_the_new_one(old, tmp_path):
+    new = RENAMED_ENTRIES[old]
+    assert new in ALGORITHMS and new in optim.__all__
+    said = f"algorithm {old!r} is now {new!r}"
+    for attempt in (
+        lambda: resolve_all(Config(algorithms=("ssgd", old), workers=4)),
+        lambda: resolve(f"{old}[local.learning_rate=0.1]", Config(workers=4)),
+        lambda: apply_overrides(Config(), [f"{old}.local.learning_rate=0.1"]),
+        lambda: Config(params={old: {}}),
+        lambda: load_file(config_file(tmp_path, f"Config(params={{{old!r}: {{}}}})")),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            attempt()
 
 
 def test_an_old_name_in_another_algorithms_bracket_names_its_homes():

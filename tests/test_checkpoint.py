@@ -33,9 +33,9 @@ from shoal.experiments.tasks import make_task
 # The runner tests start their own MPI jobs; the `mpi` test runs under mpiexec too.
 solo = pytest.mark.skipif(UNDER_MPI, reason="the runner tests start their own MPI")
 
-ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb", "pgx", "peer", "sma",
-              "adaptive", "diloco", "muloco", "streaming_diloco", "topk", "powersgd",
-              "demo")  # fmt: skip
+ALGORITHMS = ("ssgd", "gtc", "bmuf", "bmuf_gtc", "onebit_lamb", "bfb_allreduce",
+              "partial_exchange", "peer_averaging", "sma", "adaptive", "diloco", "muloco",
+              "streaming_diloco", "topk", "powersgd", "demo")  # fmt: skip
 STEPS, HALF = 8, 4
 SETS = [f"steps={STEPS}", "eval_every=4", "bmuf.block_size=4", "bmuf_gtc.block_size=4",
         "bmuf_gtc.group_size=2", "adaptive.every=2", "adaptive.after=0", "adaptive.threshold=0",

@@ -44,9 +44,9 @@ CASES = {
         ["--set", "algorithms=bmuf_gtc[group_size=3]", "--workers", "4"],
         ["bmuf_gtc[group_size=3]", "group_size = 3", "workers 4"],
     ),
-    "peer needs two workers": (
-        ["--set", "algorithms=peer", "--workers", "1"],
-        ["peer", "at least 2 workers"],
+    "peer averaging needs two workers": (
+        ["--set", "algorithms=peer_averaging", "--workers", "1"],
+        ["peer_averaging", "at least 2 workers"],
     ),
     "zero workers": (["--workers", "0"], ["--workers", "0"]),
     "zero workers via --set": (["--set", "workers=0"], ["workers=0", "'workers'"]),

@@ -243,7 +243,7 @@ def test_injection_sees_the_runs_workers(args, capsys, tmp_path):
     # An unknown algorithm fails after the config's checks passed: nothing trains.
     code, out, err = run_main([QUICKSTART, *args, "--set", "algorithms=nope", "--out",
                                str(tmp_path / "run")], capsys)  # fmt: skip
-    assert_one_line_error(code, out, err, ["unknown algorithm(s) 'nope'"])
+    assert_one_line_error(code, out, err, ["unknown algorithm 'nope'"])
     code, out, err = run_main([QUICKSTART, *args, "--workers", "4", "--out",
                                str(tmp_path / "run")], capsys)  # fmt: skip
     assert_one_line_error(code, out, err, ["'inject_nonfinite'", "workers = 4", "'1:10'"])
@@ -254,7 +254,7 @@ def test_workers_and_batch_size_checked_together(capsys, tmp_path):
     # --workers are checked together, not the workers against the config's batch first.
     argv = [QUICKSTART, "--workers", "512", "--set", "steps=5", "batch_size=16", "algorithms=nope"]
     code, out, err = run_main([*argv, "--out", str(tmp_path / "run")], capsys)
-    assert_one_line_error(code, out, err, ["unknown algorithm(s) 'nope'"])
+    assert_one_line_error(code, out, err, ["unknown algorithm 'nope'"])
     code, out, err = run_main([QUICKSTART, "--workers", "1000", "--out", str(tmp_path)], capsys)
     assert_one_line_error(code, out, err, ["with workers = 1000", "'batch_size'"])
 

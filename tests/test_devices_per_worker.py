@@ -36,8 +36,8 @@ from shoal.optim._gtc import resolve_capacity
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start their own MPI")
 
 STEPS = 12
-REQUIRED = ("ssgd", "gtc", "bmuf", "sma", "peer", "onebit_lamb")
-ELEMENTWISE = ("ssgd", "bmuf", "sma", "peer")  # bytes: the model's pieces and the flag
+REQUIRED = ("ssgd", "gtc", "bmuf", "sma", "peer_averaging", "onebit_lamb")
+ELEMENTWISE = ("ssgd", "bmuf", "sma", "peer_averaging")  # bytes: the model's pieces and the flag
 
 
 def settings(names: tuple[str, ...], steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
@@ -157,7 +157,7 @@ def test_four_workers_of_two_devices(tmp_path):
 def test_a_worker_spans_processes(tmp_path):
     # 3 devices per process: worker 1 is device 2 of process 0 and device 0 of process 1.
     # Its NaN at step 3 reaches both: every worker skips that step, as in the simulation.
-    dist = check_same_training(tmp_path, ("ssgd", "peer"), workers=3, k=2, processes=2,
+    dist = check_same_training(tmp_path, ("ssgd", "peer_averaging"), workers=3, k=2, processes=2,
                                devices=6, steps=6, extra=("inject_nonfinite=3:1",))  # fmt: skip
     for records in dist.values():
         assert [r.get("skipped") for r in records] == [None, None, 1, 1, 1, 1]

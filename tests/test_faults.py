@@ -117,7 +117,10 @@ def resume(out: Path, servers: int, algorithm: str) -> str:
 
 @pytest.mark.parametrize(
     "victim, servers, algorithm",
-    [(2, 0, "ssgd"), (3, 2, "bfb")],  # a worker of 4; a server of 2 (ranks 2, 3) with 2 workers
+    [
+        (2, 0, "ssgd"),
+        (3, 2, "bfb_allreduce"),
+    ],  # a worker of 4; a server of 2 (ranks 2, 3) with 2 workers
     ids=["worker", "server"],
 )
 def test_sigkill_ends_the_job_and_resume_continues(tmp_path, victim, servers, algorithm):

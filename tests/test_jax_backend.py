@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="these tests start the
 WORKERS = 4
 STEPS = 12
 # Sparse, two-tier and partial (S-SGD and the dense exchanges: test_devices_per_worker.py).
-ALGORITHMS = ("gtc", "bmuf_gtc", "pgx")
+ALGORITHMS = ("gtc", "bmuf_gtc", "partial_exchange")
 SMALL = ["--workers", str(WORKERS), "--no-progress", "--set", f"steps={STEPS}", "eval_every=5",
          "algorithms=" + ",".join(ALGORITHMS), "bmuf_gtc.group_size=2",
          "bmuf_gtc.block_size=4", "project_workers=0"]  # fmt: skip

@@ -153,6 +153,6 @@ def test_an_exception_on_one_rank_during_set_up_ends_every_rank(tmp_path):
 
 def test_as_many_servers_as_ranks_is_refused_by_name(tmp_path):
     cmd = runner(str(QUICKSTART), "--backend", "mpi", "--servers", "2", "--set", "steps=10",
-                 "algorithms=bfb", "--out", str(tmp_path / "n"))  # fmt: skip
+                 "algorithms=bfb_allreduce", "--out", str(tmp_path / "n"))  # fmt: skip
     result = launch([(2, cmd, None)], tmp_path)
     assert_refused(result, "num_servers", "2 ranks")

@@ -24,9 +24,9 @@ from shoal.experiments.runner.cli import main
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="the runner starts its own workers")
 
-# ssgd and bfb reduce the same gradient (identical curves); bmuf with nonfinite=off sends
+# ssgd and bfb_allreduce reduce the same gradient (identical curves); bmuf with nonfinite=off sends
 # no bytes between its syncs; adaptive switches once (adaptive.threshold=0).
-ALGORITHMS = ("ssgd", "bmuf", "bfb", "adaptive")
+ALGORITHMS = ("ssgd", "bmuf", "bfb_allreduce", "adaptive")
 SETS = [
     "steps=8",
     "eval_every=4",
@@ -100,7 +100,7 @@ def test_loss_plots(run, tmp_path, x):
     entries = check_readable(fig)
     one_colour_per_algorithm(fig, entries)
     # One legend entry per algorithm (not train and test twice), the twin named.
-    assert list(entries) == ["ssgd", "bmuf", "bfb (same curve as ssgd)", "adaptive"]
+    assert list(entries) == ["ssgd", "bmuf", "bfb_allreduce (same curve as ssgd)", "adaptive"]
     scales = {ax.get_xscale() for ax in fig.axes}
     assert scales == ({"log"} if x == "mb_sent" else {"linear"})
     if x == "mb_sent":  # no line passes a 0 to the log axis
@@ -108,8 +108,10 @@ def test_loss_plots(run, tmp_path, x):
         assert "0 bytes not shown" in fig.axes[0].get_xlabel()
     # The twin is drawn on top in another style, so both curves show.
     lines = {line.get_label(): line for line in fig.axes[1].get_lines()}
-    assert lines["bfb test loss"].get_linestyle() != lines["ssgd test loss"].get_linestyle()
-    assert lines["bfb test loss"].get_zorder() > lines["ssgd test loss"].get_zorder()
+    assert (
+        lines["bfb_allreduce test loss"].get_linestyle() != lines["ssgd test loss"].get_linestyle()
+    )
+    assert lines["bfb_allreduce test loss"].get_zorder() > lines["ssgd test loss"].get_zorder()
 
 
 def test_accuracy_plot_labels_the_switch_and_the_twin(run, tmp_path):
@@ -123,10 +125,10 @@ def test_accuracy_plot_labels_the_switch_and_the_twin(run, tmp_path):
     # (In so short a run adaptive may well be one of ssgd's twins too.)
     (adaptive,) = [x for x in entries if x.split(" ")[0] == "adaptive" and x != switch]
     assert entries[switch] == entries[adaptive]
-    assert "bfb (same curve as ssgd)" in entries
+    assert "bfb_allreduce (same curve as ssgd)" in entries
     (ax,) = fig.axes
     markers = {line.get_label(): line.get_marker() for line in ax.get_lines()}
-    assert markers["bfb (same curve as ssgd)"] != markers["ssgd"]
+    assert markers["bfb_allreduce (same curve as ssgd)"] != markers["ssgd"]
 
 
 def test_twins_need_every_panel_to_coincide():
@@ -155,9 +157,12 @@ def test_ratio_phrase(ratio, words):
 
 def test_guide_phrases_ratios_near_one():
     base = {"algorithm": "ssgd", "test_accuracy": 0.84, "mb_sent": 9.692, "projected_ms": 8.0}
-    bfb = {"algorithm": "bfb", "test_accuracy": 0.84, "mb_sent": 9.701, "projected_ms": 8.06}
+    bfb = {"algorithm": "bfb_allreduce", "test_accuracy": 0.84, "mb_sent": 9.701,
+           "projected_ms": 8.06}  # fmt: skip
     text = report.guide([base, bfb])
-    assert "`bfb`: +0.0 points of accuracy, same bytes, 1.01x slower projected step" in text
+    assert (
+        "`bfb_allreduce`: +0.0 points of accuracy, same bytes, 1.01x slower projected step" in text
+    )
     assert "1.0x" not in text and "0.99x" not in text
 
 

@@ -30,7 +30,7 @@ whole chain).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optax
@@ -174,10 +174,23 @@ def algorithm(name: str) -> Algorithm:
     """The registered algorithm ``name``; `ConfigError` listing them all if there is none."""
     algo = ALGORITHMS.get(name)
     if algo is None:
-        raise ConfigError(
-            f"unknown algorithm {name!r}; registered: {', '.join(sorted(ALGORITHMS))}"
-        )
+        raise ConfigError(_unknown([name]))
     return algo
+
+
+def _unknown(names: Sequence[str]) -> str:
+    """The error for unregistered algorithm ``names``: an old name's new one
+    (`shoal.experiments.algorithms.renamed`), else every registered name."""
+    from shoal.experiments.algorithms.renamed import new_entry
+
+    moved = [m for m in map(new_entry, names) if m]
+    if moved:
+        return "; ".join(moved)
+    which = "algorithm" if len(names) == 1 else "algorithms"
+    return (
+        f"unknown {which} {', '.join(map(repr, names))}; "
+        f"registered: {', '.join(sorted(ALGORITHMS))}"
+    )
 
 
 def params_of(name: str, value: Any, where: str = "params") -> Hyper:
@@ -335,10 +348,7 @@ def resolve_all(cfg: Config) -> tuple[Entry, ...]:
     error for unknown names lists them all."""
     unknown = [n for n in (parse_entry(e)[0] for e in cfg.algorithms) if n not in ALGORITHMS]
     if unknown:
-        raise ConfigError(
-            f"unknown algorithm(s) {', '.join(map(repr, unknown))}; "
-            f"registered: {', '.join(sorted(ALGORITHMS))}"
-        )
+        raise ConfigError(_unknown(unknown))
     return tuple(resolve(e, cfg) for e in cfg.algorithms)
 
 

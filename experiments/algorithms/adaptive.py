@@ -1,6 +1,7 @@
 """KungFu with closed-loop adaptation: S-SGD with the gradient noise scale monitor
-(``ssgd_noise``) while ``sync`` is "full", then partial exchange (``pgx``) of ``fraction``
-of the gradient bytes once its policy, `noise_scale_switch`, sets ``sync`` to "partial".
+(``ssgd_noise``: `shoal.optim.gradient_noise_scale`) while ``sync`` is "full", then
+partial exchange (``partial_exchange``: `shoal.optim.partial_exchange`) of ``fraction`` of
+the gradient bytes once its policy, `noise_scale_switch`, sets ``sync`` to "partial".
 
 Reference: Brabete, "KungFu: a novel distributed training system for TensorFlow using
 flexible synchronisation", MEng thesis, Imperial College London, 2019, section 4.4 (a
@@ -16,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 import optax
 
-from shoal.experiments.algorithms import pgx, ssgd_noise
+from shoal.experiments.algorithms import partial_exchange, ssgd_noise
 from shoal.experiments.algorithms._registry import Context, Hyper, register
 from shoal.experiments.algorithms.parts import LocalSGD
 from shoal.experiments.fields import check_field
@@ -68,4 +69,6 @@ def _due(step: int, p: Adaptive) -> bool:
 def build(p: Adaptive, ctx: Context) -> optax.GradientTransformation:
     if p.sync == "full":
         return ssgd_noise.build(ssgd_noise.SSGDNoise(ema=p.ema, local=p.local), ctx)
-    return pgx.build(pgx.PGX(fraction=p.fraction, local=p.local), ctx)
+    return partial_exchange.build(
+        partial_exchange.PartialExchange(fraction=p.fraction, local=p.local), ctx
+    )

@@ -1,16 +1,20 @@
-"""Where the old flat config fields went (shoal 0.1 before algorithms got one module
-each): ``diloco_sync_every`` is ``diloco.sync_every``. A config or ``--set`` that uses an
-old name gets an error naming the new spelling (`new_spelling`).
+"""Where the old names went (shoal 0.1): the flat config fields, before algorithms got
+one module each (``diloco_sync_every`` is ``diloco.sync_every``), and the entries that
+now carry the name of the `shoal.optim` transformation they run (``pgx`` is
+``partial_exchange``). A config, entry or ``--set`` that uses an old name gets an error
+naming the new spelling (`new_spelling`, `new_entry`).
 
 Example:
   >>> new_spelling("diloco_sync_every", "diloco").split(":")[0]
   "'diloco_sync_every' is now diloco's own 'sync_every'"
+  >>> new_entry("pgx")
+  "algorithm 'pgx' is now 'partial_exchange', the name of the shoal.optim transformation it runs"
 """
 
 from __future__ import annotations
 
-_LOCAL = ("ssgd", "ssgd_noise", "gtc", "bfb", "bmuf", "bmuf_gtc", "topk", "powersgd",
-          "pgx", "peer", "sma", "adaptive")  # fmt: skip
+_LOCAL = ("ssgd", "ssgd_noise", "gtc", "bfb_allreduce", "bmuf", "bmuf_gtc", "topk",
+          "powersgd", "partial_exchange", "peer_averaging", "sma", "adaptive")  # fmt: skip
 _BLOCK = ("bmuf", "bmuf_gtc")
 _LAMB = ("lamb", "onebit_lamb", "onebit_adam")
 _ONEBIT = ("onebit_lamb", "onebit_adam")
@@ -72,10 +76,10 @@ RENAMED: dict[str, tuple[str, ...]] = {
     "demo_topk": ("demo.topk",),
     "demo_sign": ("demo.sign",),
     "demo_lr": ("demo.learning_rate",),
-    "bfb_buffer_bytes": ("bfb.buffer_bytes",),
-    "pgx_fraction": ("pgx.fraction",),
-    "peer_strategy": ("peer.strategy",),
-    "peer_staleness": ("peer.staleness",),
+    "bfb_buffer_bytes": ("bfb_allreduce.buffer_bytes",),
+    "pgx_fraction": ("partial_exchange.fraction",),
+    "peer_strategy": ("peer_averaging.strategy",),
+    "peer_staleness": ("peer_averaging.staleness",),
     "sma_alpha": ("sma.alpha",),
     "noise_ema": ("ssgd_noise.ema", "adaptive.ema"),
     "policy_every": ("adaptive.every",),
@@ -84,6 +88,22 @@ RENAMED: dict[str, tuple[str, ...]] = {
     "adaptive_fraction": ("adaptive.fraction",),
     "adaptive_sync": ("adaptive.sync",),
 }
+
+
+# Old entry name -> the entry's name now: that of the `shoal.optim` transformation it runs.
+RENAMED_ENTRIES: dict[str, str] = {
+    "pgx": "partial_exchange",
+    "peer": "peer_averaging",
+    "bfb": "bfb_allreduce",
+}
+
+
+def new_entry(name: str) -> str | None:
+    """The error text for the old entry name ``name`` (None when it is not one)."""
+    new = RENAMED_ENTRIES.get(name)
+    if new is None:
+        return None
+    return f"algorithm {name!r} is now {new!r}, the name of the shoal.optim transformation it runs"
 
 
 def new_spelling(key: str, algorithm: str | None = None) -> str | None:

@@ -1,5 +1,5 @@
-"""Synchronous SGD, the reference: the gradients all-reduced (mean) every step, then the
-local optimizer."""
+"""Synchronous SGD, the reference: the gradients all-reduced (mean) every step
+(`shoal.optim.allreduce_gradients`), then the local optimizer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""S-SGD with AdamW: the gradients all-reduced every step, then AdamW, DiLoCo's inner
-optimizer, so that this baseline and DiLoCo differ only in how often they synchronise."""
+"""S-SGD with AdamW: the gradients all-reduced every step
+(`shoal.optim.allreduce_gradients`), then AdamW, DiLoCo's inner optimizer, so that this
+baseline and DiLoCo differ only in how often they synchronise."""
 
 from __future__ import annotations
 

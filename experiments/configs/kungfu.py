@@ -20,13 +20,13 @@ from shoal.experiments.config import Config
 
 ALGORITHMS = (
     "ssgd",
-    "pgx[fraction=1.0]",
-    "pgx[fraction=0.3]",
-    "pgx[fraction=0.1]",
-    "peer[strategy=round_robin;staleness=0]",
-    "peer[strategy=round_robin;staleness=1]",
-    "peer[strategy=random;staleness=0]",
-    "peer[strategy=random;staleness=1]",
+    "partial_exchange[fraction=1.0]",
+    "partial_exchange[fraction=0.3]",
+    "partial_exchange[fraction=0.1]",
+    "peer_averaging[strategy=round_robin;staleness=0]",
+    "peer_averaging[strategy=round_robin;staleness=1]",
+    "peer_averaging[strategy=random;staleness=0]",
+    "peer_averaging[strategy=random;staleness=1]",
     "sma",
     "adaptive",
 )

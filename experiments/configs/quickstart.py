@@ -33,9 +33,9 @@ def get_config() -> Config:
             "bmuf_gtc",
             "lamb",
             "onebit_lamb",
-            "bfb",
-            "pgx",
-            "peer",
+            "bfb_allreduce",
+            "partial_exchange",
+            "peer_averaging",
             "sma",
             "adaptive",
             "diloco",
@@ -58,7 +58,7 @@ def get_config() -> Config:
             "lamb": {"learning_rate": 0.02},
             "onebit_lamb": {"learning_rate": 0.02, "freeze_fraction": 0.15},
             # The MLP's largest leaf is 59% of its gradient: PGX needs bins at least that big.
-            "pgx": {"fraction": 0.6},
+            "partial_exchange": {"fraction": 0.6},
             # adaptive: S-SGD until the noise scale's median over 10 steps passes 250 (after
             # step 100; it grows from ~150 to ~300 over this run), then PGX at 0.6.
             "adaptive": {"fraction": 0.6, "threshold": 250.0, "after": 100},

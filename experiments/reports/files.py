@@ -109,7 +109,7 @@ def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
         w.writerows(records)
 
 
-# Coincident curves (e.g. ssgd and bfb, which reduce the same gradient) would hide one
+# Coincident curves (e.g. ssgd and bfb_allreduce, which reduce the same gradient) would hide one
 # another: the later ones are drawn on top with these (linestyle, marker) pairs and say
 # which curve they follow in the legend.
 

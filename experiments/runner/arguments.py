@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="S",
         help="with --backend mpi: the last S ranks are dedicated parameter servers for "
-        "bfb (mpiexec -n WORKERS+S); the other algorithms ignore them",
+        "bfb_allreduce (mpiexec -n WORKERS+S); the other algorithms ignore them",
     )
     p.add_argument(
         "--server-timeout",

@@ -41,9 +41,11 @@ FLAT = {
     ),
     "gtc": lambda: optax.chain(optim.gtc(0.05, collective=coll), sgd),
     "bmuf": lambda: optim.bmuf(sgd, collective=coll, block_size=3, warmup_steps=2),
-    "bfb": lambda: optax.chain(optim.bfb_allreduce(collective=coll, buffer_bytes=64), sgd),
-    "pgx": lambda: optax.chain(optim.partial_exchange(0.9, collective=coll), sgd),
-    "peer": lambda: optim.peer_averaging(sgd, collective=coll),
+    "bfb_allreduce": lambda: optax.chain(
+        optim.bfb_allreduce(collective=coll, buffer_bytes=64), sgd
+    ),
+    "partial_exchange": lambda: optax.chain(optim.partial_exchange(0.9, collective=coll), sgd),
+    "peer_averaging": lambda: optim.peer_averaging(sgd, collective=coll),
     "sma": lambda: optim.sma(sgd, collective=coll),
     "onebit_lamb": lambda: optim.onebit_lamb(0.01, collective=coll, freeze_step=3),
     "onebit_adam": lambda: optim.onebit_adam(0.01, collective=coll, freeze_step=3),

@@ -34,10 +34,10 @@ CASES = {
     "ssgd": lambda c: optax.chain(optim.allreduce_gradients(collective=c), sgd),
     "bmuf": lambda c: optim.bmuf(sgd, collective=c, block_size=2, warmup_steps=1),
     "sma": lambda c: optim.sma(sgd, collective=c),
-    "peer": lambda c: optim.peer_averaging(sgd, collective=c),
+    "peer_averaging": lambda c: optim.peer_averaging(sgd, collective=c),
     "gtc": lambda c: optax.chain(optim.gtc(0.05, collective=c, capacity=1.0), sgd),
-    "bfb": lambda c: optax.chain(optim.bfb_allreduce(collective=c, buffer_bytes=64), sgd),
-    "pgx": lambda c: optax.chain(optim.partial_exchange(0.75, collective=c), sgd),
+    "bfb_allreduce": lambda c: optax.chain(optim.bfb_allreduce(collective=c, buffer_bytes=64), sgd),
+    "partial_exchange": lambda c: optax.chain(optim.partial_exchange(0.75, collective=c), sgd),
     "noise_scale": lambda c: optax.chain(
         optim.gradient_noise_scale(collective=c, local_batch_size=8), sgd
     ),

@@ -17,15 +17,15 @@ from shoal.experiments.algorithms.parts import LocalSGD
 
 
 @dataclasses.dataclass(frozen=True)
-class BFB(Hyper):
+class BFBAllReduce(Hyper):
     """``buffer_bytes``: bytes per fusion buffer (0: automatic)."""
 
     buffer_bytes: int = 0
     local: LocalSGD = LocalSGD()
 
 
-@register("bfb", BFB, skip_in_place=None)
-def build(p: BFB, ctx: Context) -> optax.GradientTransformation:
+@register("bfb_allreduce", BFBAllReduce, skip_in_place=None)
+def build(p: BFBAllReduce, ctx: Context) -> optax.GradientTransformation:
     order = None
     if ctx.task is not None:
         params = ctx.task.init_params()

@@ -14,13 +14,13 @@ from shoal.experiments.algorithms.parts import LocalSGD
 
 
 @dataclasses.dataclass(frozen=True)
-class PGX(Hyper):
+class PartialExchange(Hyper):
     """``fraction``: the gradient bytes exchanged per step; the local optimizer."""
 
     fraction: float = 0.3
     local: LocalSGD = LocalSGD()
 
 
-@register("pgx", PGX, skip_in_place=True)
-def build(p: PGX, ctx: Context) -> optax.GradientTransformation:
+@register("partial_exchange", PartialExchange, skip_in_place=True)
+def build(p: PartialExchange, ctx: Context) -> optax.GradientTransformation:
     return optax.chain(optim.partial_exchange(p.fraction, collective=ctx.comms), p.local.make())

@@ -16,7 +16,7 @@ from shoal.experiments.fields import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
-class Peer(Hyper):
+class PeerAveraging(Hyper):
     """How each worker picks its peer, the peer model's staleness in steps, and the local
     optimizer (the run's seed draws the random peers)."""
 
@@ -29,8 +29,8 @@ class Peer(Hyper):
             raise ConfigError("peer averaging needs at least 2 workers")
 
 
-@register("peer", Peer, skip_in_place="apply")
-def build(p: Peer, ctx: Context) -> optax.GradientTransformation:
+@register("peer_averaging", PeerAveraging, skip_in_place="apply")
+def build(p: PeerAveraging, ctx: Context) -> optax.GradientTransformation:
     return optim.peer_averaging(
         p.local.make(),
         collective=ctx.comms,
