@@ -116,8 +116,10 @@ class OwnTask:
 
     def __init__(self, cfg: OwnConfig):
         self.cfg = cfg
-        self.chain = markov_chain(cfg.seed)
-        rng = np.random.default_rng([cfg.seed, 8])
+        # The data from seed_of_data, the model and batches from seed: --seeds 0,1,2 then
+        # repeats the run from other initial models and batch orders on the same data.
+        self.chain = markov_chain(cfg.seed_of_data)
+        rng = np.random.default_rng([cfg.seed_of_data, 8])
         # context + 1 tokens: the input and its shift by one.
         self.train = sample(self.chain, cfg.train_size, cfg.context + 1, rng)
         self.test = sample(self.chain, cfg.test_size, cfg.context + 1, rng)

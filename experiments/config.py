@@ -107,6 +107,12 @@ class RunFields:
             "seed",
             f"an int in [0, {MAX_SEED}] (NumPy and jax.random.key seeds), got {self.seed}",
         )
+        data_seed = getattr(self, "data_seed", None)  # a TaskFields field
+        check_field(
+            data_seed is None or 0 <= data_seed <= MAX_SEED,
+            "data_seed",
+            f"None or an int in [0, {MAX_SEED}], got {data_seed}",
+        )
         check_field(self.log in ("none", "tensorboard"), "log", '"none" or "tensorboard"')
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
             # Checked here, not when the run's outputs are written: before training.
@@ -168,6 +174,23 @@ class Config(TaskFields, RunFields):
     # defaults are filled in for every algorithm in `algorithms`.
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    @property
+    def seed_of_data(self) -> int:
+        """The seed the bundled tasks generate their data from: ``data_seed``, else
+        ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def seeded(self, seed: int) -> Config:
+        """This config at ``seed`` (its initial model and batch order) on this config's
+        data: ``data_seed`` is pinned to `seed_of_data` (`--seeds`).
+
+        Example:
+          >>> cfg = Config(seed=3).seeded(7)
+          >>> cfg.seed, cfg.data_seed
+          (7, 3)
+        """
+        return dataclasses.replace(self, seed=seed, data_seed=self.seed_of_data)
+
     def __post_init__(self):
         # Types first, for config files, --set, studies and direct construction alike (and
         # a subclass's own fields): the checks below compare and count. It also stores
@@ -185,9 +208,10 @@ class Config(TaskFields, RunFields):
         object.__setattr__(self, "params", params)
         self.check_run()
         self.check_task()
+        rows = self.train_size - self.validation_size
         check_field(
-            self.workers * self.batch_size <= self.train_size,
+            self.workers * self.batch_size <= rows,
             "batch_size",
-            f"at most train_size / workers = {self.train_size // self.workers} "
-            f"(one global batch must fit in the training set)",
+            f"at most {'(train_size - validation_size)' if self.validation_size else 'train_size'}"
+            f" / workers = {rows // self.workers} (one global batch must fit in the training set)",
         )

@@ -219,6 +219,10 @@ class TaskFields:
     # config and returning a `shoal.experiments.tasks.Task` (`--task`; a config file's
     # get_task(config) sets it). The names `shoal.experiments.tasks.register_task` knows.
     task: str = "mixture"
+    # The seed the bundled tasks draw their data from (None: the run's ``seed``).
+    # ``--seeds`` pins it to the config's, so that every seed trains on the same data from
+    # its own initial model and batch order (`Config.seeded`).
+    data_seed: int | None = None
     # Classes (mixture) or hidden states (hmm), and the feature dimension.
     num_classes: int = 10
     num_features: int = 32
@@ -230,6 +234,10 @@ class TaskFields:
     # Points (mixture), sequences (hmm) or byte windows (lm).
     train_size: int = 8192
     test_size: int = 2048
+    # Rows of the training set held out for validation (0: none): the task then trains on
+    # the other train_size - validation_size rows and its evaluation reports on these in
+    # place of the test set. ``shoal-run --sweep`` tunes on them, never on the test set.
+    validation_size: int = 0
     # Hidden layer widths: MLP layers (mixture) or stacked LSTM layers (hmm).
     hidden: tuple[int, ...] = (64, 64)
     # Frames per sequence (hmm) or bytes per example (lm); hmm only: the probability of
@@ -250,6 +258,11 @@ class TaskFields:
                   "hmm_successors", "lm_width", "lm_layers", "lm_heads"):  # fmt: skip
             check_field(getattr(self, f) >= 1, f, "an int >= 1")
         check_field(self.num_classes >= 2, "num_classes", "an int >= 2")
+        check_field(
+            0 <= self.validation_size < self.train_size,
+            "validation_size",
+            f"an int in [0, train_size = {self.train_size}) (0: no validation split)",
+        )
         check_field(all(h >= 1 for h in self.hidden), "hidden", "layer widths >= 1")
         check_field(self.class_sep > 0, "class_sep", "a float > 0")
         check_field(

@@ -60,6 +60,20 @@ CASES = {
         ["--devices-per-worker 2", "--backend jax", "--backend mpi"],
     ),
     "zero devices per worker": (["--devices-per-worker", "0"], ["--devices-per-worker 0", ">= 1"]),
+    "seeds and --set seed": (["--seeds", "0,1", "--set", "seed=3"], ["--seeds 0,1", "seed=3"]),
+    "sweep of a missing path": (
+        ["--sweep", "outer.learning_rate=0.1,0.7", "--set", "algorithms=ssgd"],
+        ["--sweep outer.learning_rate", "ssgd has no"],
+    ),
+    "sweep with resume": (
+        ["--sweep", "learning_rate=0.1,0.2", "--resume"],
+        ["--resume", "--sweep"],
+    ),
+    "sweep fraction": (["--sweep", "learning_rate=0.1,0.2", "--sweep-fraction", "0"], ["(0, 1]"]),
+    "validation larger than the training set": (
+        ["--set", "validation_size=9000"],
+        ["validation_size", "train_size = 8192"],
+    ),
 }
 
 
@@ -101,14 +115,23 @@ def test_study_rejects_workers_in_one_line(capsys):
     assert_one_line_error(code, out, err, ["study", "--workers"])
 
 
-def test_argparse_type_error_names_the_option(capsys):
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--workers", "abc"], ["--workers", "'abc'"]),
+        (["--seeds", "0,a"], ["--seeds", "'a'"]),
+        (["--seeds", "1,2,1"], ["--seeds", "distinct", "repeated: 1"]),
+        (["--sweep", "learning_rate"], ["--sweep", "KEY=V1,V2"]),
+    ],
+)
+def test_argparse_type_error_names_the_option(args, words, capsys):
     """argparse's own errors (``--workers abc``) print the usage first, then one
     ``shoal-run: error:`` line: exit status 2, no traceback."""
-    code, out, err = run_main([QUICKSTART, "--workers", "abc"], capsys)
+    code, out, err = run_main([QUICKSTART, *args], capsys)
     assert code == 2 and "Traceback" not in out + err
     assert err.startswith("usage: shoal-run")
     last = err.strip().splitlines()[-1]
-    assert last.startswith(PREFIX) and "--workers" in last and "'abc'" in last
+    assert last.startswith(PREFIX) and all(w in last for w in words), last
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from shoal.experiments.reports.plots import PLOTS, SAMPLES_PLOT
 
 COLUMNS = (
     "algorithm",
+    "seed",
     "step",
     "loss",
     "test_loss",

@@ -76,6 +76,31 @@ def build_parser() -> argparse.ArgumentParser:
         "over --devices-per-worker)",
     )
     p.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        metavar="S1,S2,...",
+        help="run every entry once per seed (e.g. 0,1,2), each from its own initial model "
+        "and batch order on the same data (the config's data_seed, else its seed); reports "
+        "show mean +- std over the seeds. Default: the config's seed alone",
+    )
+    p.add_argument(
+        "--sweep",
+        type=_parse_sweep,
+        metavar="KEY=V1,V2,...",
+        help="tune each entry first: try every value on --sweep-fraction of the steps, judge "
+        "by the loss on a validation split held out of the training data (validation_size "
+        "rows, default: as many as the test set), then train the best value (over --seeds). "
+        "KEY: learning_rate (each entry's own main rate) or a path in its "
+        "hyper-parameters, e.g. outer.learning_rate",
+    )
+    p.add_argument(
+        "--sweep-fraction",
+        type=float,
+        default=0.25,
+        metavar="F",
+        help="the share of the run's steps each --sweep value trains for (default 0.25)",
+    )
+    p.add_argument(
         "--backend",
         choices=("sim", "mpi", "jax"),
         default="sim",
@@ -140,6 +165,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def _parse_sweep(text: str) -> tuple[str, tuple[str, ...]]:
+    from shoal.experiments.runner.sweep import parse_sweep  # not at --help time
+
+    return parse_sweep(text)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1,2"`` -> ``(0, 1, 2)``: distinct ints in [0, MAX_SEED], in the order given.
+
+    Raises:
+      argparse.ArgumentTypeError: naming ``--seeds`` and the bad item.
+    """
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() for t in items):
+        bad = next(t for t in items if not t.isdigit())
+        raise argparse.ArgumentTypeError(
+            f"--seeds takes comma-separated ints >= 0, e.g. 0,1,2; got {bad!r} in {text!r}"
+        )
+    seeds = tuple(int(t) for t in items)
+    if max(seeds) > config_module.MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"--seeds: {max(seeds)} is more than the largest seed {config_module.MAX_SEED}"
+        )
+    if len(set(seeds)) < len(seeds):
+        again = sorted({s for s in seeds if seeds.count(s) > 1})
+        raise argparse.ArgumentTypeError(
+            f"--seeds must be distinct (repeated: {', '.join(map(str, again))}): a seed run "
+            "twice gives the same run twice"
+        )
+    return seeds
 
 
 def resolve_workers(

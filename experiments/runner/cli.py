@@ -34,7 +34,8 @@ from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import apply_overrides, parse_assignment
 from shoal.experiments.reports import PLOTS, MetricsLog, summary_table, write_run
-from shoal.experiments.runner import memory
+from shoal.experiments.reports.files import write_jsonl
+from shoal.experiments.runner import memory, sweep
 from shoal.experiments.runner.analysis import Analysis, run_analysis
 from shoal.experiments.runner.arguments import (
     build_parser,
@@ -75,6 +76,11 @@ def _setup(args, backend, loaded):
     from shoal.experiments.overrides import parse_value
 
     sets = _assignments(args)
+    if args.seeds is not None and "seed" in dict(sets):
+        raise ConfigError(
+            f"--seeds {','.join(map(str, args.seeds))} and --set seed={dict(sets)['seed']} both "
+            "choose the seed: pass one of them"
+        )
     explicit = args.workers
     if explicit is not None and explicit < 1:
         raise ConfigError(f"--workers must be >= 1, got {explicit}")
@@ -92,6 +98,10 @@ def _setup(args, backend, loaded):
     cfg = apply_overrides(loaded, sets, **({"workers": workers} if workers != configured else {}))
     task_factory(cfg.task)  # a task that cannot be found: refused before anything runs
     entries = algorithms.resolve_all(cfg)
+    if args.sweep is not None:  # a key an entry lacks, or no horizon: refused now
+        for e in entries:
+            sweep.swept_path(e, args.sweep[0])
+        sweep.tuning_config(cfg, args.sweep_fraction, entries)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
     if k > 1:
         check_devices_per_worker(cfg, k)
@@ -224,6 +234,10 @@ def _argument_problem(args) -> str | None:
         return f"--server-timeout must be a number of seconds > 0, got {args.server_timeout}"
     if args.stop_after is not None and args.stop_after < 1:
         return "--stop-after must be >= 1"
+    if args.sweep is not None and (args.resume or args.stop_after is not None):
+        flag = "--resume" if args.resume else "--stop-after"
+        return (f"{flag} with --sweep: a sweep's choices are not checkpointed; tune once, "
+                "then name the chosen entries (sweep.jsonl) with --set algorithms=...")  # fmt: skip
     if args.resume and args.overwrite:
         return ("--resume continues the run in the output folder, --overwrite replaces it: "
                 "pass one of them")  # fmt: skip
@@ -325,8 +339,9 @@ def _main(args, command: str, backend) -> int:
         command = f"mpiexec -n {backend.comm.Get_size()} {command}"
     if is_root:
         each = f", {args.devices_per_worker} devices each" if args.devices_per_worker > 1 else ""
+        seeds = "" if args.seeds is None else f", seeds {','.join(map(str, args.seeds))}"
         print(f"{cfg.name}: {cfg.workers} workers ({args.backend}{each}), {cfg.steps} steps, "
-              f"algorithms: {', '.join(cfg.algorithms)}")  # fmt: skip
+              f"algorithms: {', '.join(cfg.algorithms)}{seeds}")  # fmt: skip
     out = args.out or Path("runs") / cfg.name
     # Only the root writes the outputs: it claims the folder, and its view decides for
     # every process.
@@ -340,11 +355,21 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     ``problem``: why the folder may not be used (every process's decision)."""
     is_root = backend.is_root
     multi = args.world > 1  # several processes: a failure of this one must end the others
+    # One run of every entry per seed, each on the config's data (`Config.seeded`); without
+    # --seeds the config as it is, at its own seed.
+    several = args.seeds is not None
+    seeds = [(s, cfg.seeded(s)) for s in args.seeds] if several else [(cfg.seed, cfg)]
+
+    def checkpointer(run_cfg: Config, entry) -> Checkpointer:
+        folder = out / "checkpoints"
+        if several:  # each seed's checkpoints apart: the labels repeat across seeds
+            folder = folder / f"seed{run_cfg.seed}"
+        return Checkpointer(folder, entry.label, run_cfg, backend)
+
     # Checkpoints only when asked for: periodically, or to stop and resume.
     checkpointing = cfg.checkpoint_every > 0 or args.resume or args.stop_after is not None
     if problem is None and args.resume:
-        found = any(Checkpointer(out / "checkpoints", e.label, cfg, backend).steps()
-                    for e in entries)  # fmt: skip
+        found = any(checkpointer(c, e).steps() for _, c in seeds for e in entries)
         if not any(backend.gather_all(found)):
             problem = (
                 f"--resume found no checkpoint of {', '.join(cfg.algorithms)} in "
@@ -359,34 +384,55 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     if args.overwrite:  # the replaced run's checkpoints must not be resumed later
         for e in entries:
             Checkpointer(out / "checkpoints", e.label, cfg, backend).remove()
+            for _, run_cfg in seeds:
+                checkpointer(run_cfg, e).remove()
     log = None
+    tuning = ""  # the report's section on the sweep (--sweep)
     count = None  # parameters x workers of this process, once the model is built
     try:
         log = MetricsLog(out / "metrics.jsonl") if is_root else None
-        task = make_task(cfg)
-        try:
-            check_task(task, cfg.task)
-        except TypeError as e:  # the same on every process
-            return _error(str(e), 2) if is_root else 2
-        count = num_parameters(task.init_params()) * len(backend.local_ranks)
-        if args.backend == "sim" and args.reexec:  # too large to keep the heap? (malloc)
-            restart_simulated(count, "shoal-run")
+        if args.sweep is not None:
+            key, values = args.sweep
+            labels, rows, tune_cfg = sweep.tune(
+                seeds[0][1], entries, backend, key=key, values=values,
+                fraction=args.sweep_fraction, progress=not args.no_progress,
+            )  # fmt: skip
+            entries = [algorithms.resolve(label, cfg) for label in labels]
+            tuning = sweep.sweep_section(
+                rows, key=key, values=values, steps=tune_cfg.steps, total=cfg.steps,
+                validation=tune_cfg.validation_size, seed=seeds[0][0],
+            )  # fmt: skip
+            if is_root:
+                write_jsonl(out / "sweep.jsonl", rows)
         results = []
         budget = args.stop_after
-        for entry in entries:
-            name = entry.label
-            ckpt = Checkpointer(out / "checkpoints", name, cfg, backend) if checkpointing else None
-            result = train(cfg, task, backend, entry, progress=not args.no_progress,
-                           checkpoints=ckpt, resume=args.resume, max_steps=budget,
-                           on_record=log.add if log is not None else None)  # fmt: skip
-            results.append(result)
-            if budget is not None:
-                budget -= result.trained
-            if not result.finished:
-                if is_root:
-                    print(f"stopped {name} at step {result.step} of {cfg.steps}; "
-                          f"continue with --resume")  # fmt: skip
-                return 0
+        for seed, run_cfg in seeds:
+            task = make_task(run_cfg)
+            if count is None:
+                try:
+                    check_task(task, cfg.task)
+                except TypeError as e:  # the same on every process
+                    return _error(str(e), 2) if is_root else 2
+                count = num_parameters(task.init_params()) * len(backend.local_ranks)
+                if args.backend == "sim" and args.reexec:  # too large to keep the heap?
+                    restart_simulated(count, "shoal-run")
+            if several and is_root:
+                print(f"seed {seed}:")
+            for entry in entries:
+                name = entry.label if not several else f"{entry.label} (seed {seed})"
+                entry = dataclasses.replace(entry, cfg=run_cfg)  # its builder sees the seed
+                ckpt = checkpointer(run_cfg, entry) if checkpointing else None
+                result = train(run_cfg, task, backend, entry, progress=not args.no_progress,
+                               checkpoints=ckpt, resume=args.resume, max_steps=budget,
+                               on_record=log.add if log is not None else None)  # fmt: skip
+                results.append(result)
+                if budget is not None:
+                    budget -= result.trained
+                if not result.finished:
+                    if is_root:
+                        print(f"stopped {name} at step {result.step} of {cfg.steps}; "
+                              f"continue with --resume")  # fmt: skip
+                    return 0
     except CheckpointWriteError as e:  # this process's own: the others are training on
         _error(str(e), 2)
         if multi:
@@ -420,6 +466,9 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
             records = [rec for r in results for rec in r.records]
             write_run(out, cfg, records, summaries, entries=entries, backend=args.backend,
                       command=command, task=task)  # fmt: skip
+            for page in ("summary.md", "report.md"):  # what the sweep chose, and from what
+                with open(out / page, "a") as f:
+                    f.write(tuning)
         except OSError as e:
             failed = _write_error(out, e)
     if backend.agree("not written" if failed else None) is not None:  # all exit as the root

@@ -265,6 +265,7 @@ class _Run:
         self.received_total += received
         rec = {
             "algorithm": self.entry.label,
+            "seed": self.cfg.seed,
             "step": step,
             "loss": float(np.mean(loss, dtype=np.float64)),
             "bytes_sent": _per_worker(sent),
@@ -291,6 +292,7 @@ class _Run:
         last = records[-1]
         summary = {
             "algorithm": self.entry.label,
+            "seed": cfg.seed,
             "steps": cfg.steps,
             "loss": last["loss"],
             "test_loss": last["test_loss"],

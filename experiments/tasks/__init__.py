@@ -91,7 +91,7 @@ class GaussianMixtureTask(ClassifierTask):
             train_size=cfg.train_size,
             test_size=cfg.test_size,
             class_sep=cfg.class_sep,
-            seed=cfg.seed,
+            seed=cfg.seed_of_data,
         )
         self.data = data
         self.x_train, self.y_train, self.x_test, self.y_test = (

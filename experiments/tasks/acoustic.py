@@ -123,9 +123,9 @@ class HMMFrameTask(ClassifierTask):
             self_loop=cfg.hmm_self_loop,
             successors=cfg.hmm_successors,
             sep=cfg.class_sep,
-            seed=cfg.seed,
+            seed=cfg.seed_of_data,
         )
-        rng = np.random.default_rng([cfg.seed, 2])
+        rng = np.random.default_rng([cfg.seed_of_data, 2])
         self.x_train, self.y_train = self.hmm.sample(cfg.train_size, cfg.seq_len, rng)
         self.x_test, self.y_test = self.hmm.sample(cfg.test_size, cfg.seq_len, rng)
         model = LSTMFrameClassifier(hidden=cfg.hidden, num_classes=cfg.num_classes)

@@ -33,8 +33,13 @@ class ClassifierTask:
         self.cfg = cfg
         self.model = model
         self._example = example_input
+        # cfg.validation_size rows of the training set held out (the last ones: the rows
+        # are drawn at random, so any fixed block is a random sample), evaluated in place
+        # of the test set.
+        self.validation = self.hold_out(cfg.validation_size) if cfg.validation_size else None
         # Worker r trains on block r of each global batch of workers * batch_size rows.
-        self._batches = EpochBatches(cfg.train_size, cfg.batch_size, cfg.seed)
+        rows = cfg.train_size - cfg.validation_size
+        self._batches = EpochBatches(rows, cfg.batch_size, cfg.seed)
         self._eval = jax.jit(self._metrics)
 
     @functools.cached_property
@@ -55,12 +60,20 @@ class ClassifierTask:
         """Mean softmax cross-entropy over every label of the batch."""
         return self._metrics(params, x, y)[0]
 
+    def hold_out(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Remove the last ``rows`` rows from the training set; returns them as ``(x, y)``."""
+        x, y = self.x_train[-rows:], self.y_train[-rows:]
+        self.x_train, self.y_train = self.x_train[:-rows], self.y_train[:-rows]
+        return x, y
+
     def test_data(self) -> tuple[np.ndarray, np.ndarray]:
         return self.x_test, self.y_test
 
     def evaluate(self, params) -> tuple[float, float]:
-        """``(test loss, test accuracy)`` of one set of parameters."""
-        loss, acc = self._eval(params, *self.test_data())
+        """``(test loss, test accuracy)`` of one set of parameters; with
+        ``validation_size`` rows held out, those of the validation split instead."""
+        data = self.validation if self.validation is not None else self.test_data()
+        loss, acc = self._eval(params, *data)
         return float(loss), float(acc)
 
     def batch(self, step: int, workers: int) -> tuple[np.ndarray, np.ndarray]:

@@ -230,9 +230,9 @@ class ImageTask(ClassifierTask):
     error_name = "test error"
 
     def __init__(self, cfg: Config):
-        self.glyphs = _glyphs(cfg.num_classes, IMAGE_SIZE, cfg.seed)
-        rng = np.random.default_rng([cfg.seed, 2])
-        draw = lambda n: generate_images(rng, cfg.num_classes, n, glyph_seed=cfg.seed)
+        self.glyphs = _glyphs(cfg.num_classes, IMAGE_SIZE, cfg.seed_of_data)
+        rng = np.random.default_rng([cfg.seed_of_data, 2])
+        draw = lambda n: generate_images(rng, cfg.num_classes, n, glyph_seed=cfg.seed_of_data)
         self.x_train, self.y_train = draw(cfg.train_size)
         self.x_test, self.y_test = draw(cfg.test_size)
         if cfg.cnn == "even":

@@ -130,6 +130,13 @@ class ByteLMTask(ClassifierTask):
     def test_data(self):
         return self.val[:, :-1], self.val[:, 1:]
 
+    def hold_out(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last ``rows`` training windows, removed from training. They come from the
+        training files (``test_data`` from other files), so they may share bytes with
+        other training windows."""
+        w, self.train = self.train[-rows:], self.train[:-rows]
+        return w[:, :-1], w[:, 1:]
+
     def evaluate(self, params) -> tuple[float, float]:
         """``(validation loss in nats per byte, next-byte accuracy)``; bits per byte is
         the loss / ln 2."""

@@ -10,8 +10,10 @@ Every runner feature then works with it: the sim, mpi and jax backends, checkpoi
 ``--resume``, exact bytes, reports and plots, the cost-model projection and studies.
 
 Every process builds its own task from the config, so the data and the initial
-parameters must be a pure function of the config (seed them with ``config.seed``): every
-worker, rank and backend must see the same batches.
+parameters must be a pure function of the config: every worker, rank and backend must see
+the same batches. Seed the initial parameters and the batch order with ``config.seed`` and
+the data itself with ``config.seed_of_data``, so that ``--seeds 0,1,2`` repeats the run
+from other initial models and batch orders on the same data.
 """
 
 from __future__ import annotations
