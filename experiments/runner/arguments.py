@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train at most STEPS steps in this invocation (all algorithms together), save a "
         "checkpoint and exit without a report; continue with --resume",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (a terminal) or the progress lines (stderr not a terminal)",
+    )
     return p
 
 
