@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(metrics.jsonl, metrics.csv, loss plots, summary.md).",
         epilog=f"bundled configs: {', '.join(bundled_configs())}; algorithms: "
         f"{', '.join(bundled_algorithms())} (each one's hyper-parameters: "
-        "experiments/algorithms/<name>.py)",
+        "experiments/algorithms/<name>.py). --set log=wandb writes wandb runs under "
+        "<out>/wandb/, offline unless WANDB_MODE is set (upload them with wandb sync)",
     )
     p.add_argument(
         "config",
