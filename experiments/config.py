@@ -84,8 +84,10 @@ class RunFields:
 
     # Extra logs next to the run's metrics: "tensorboard" also writes TensorBoard event
     # files, one run per algorithm, under tensorboard/ in the output folder (needs the
-    # optional extra: pip install 'shoal[tensorboard]').
-    log: Literal["none", "tensorboard"] = "none"
+    # optional extra: pip install 'shoal[tensorboard]'); "wandb" one wandb run per
+    # algorithm under wandb/, offline unless WANDB_MODE says otherwise (pip install
+    # 'shoal[wandb]'; `shoal.experiments.reports.wandb_log`).
+    log: Literal["none", "tensorboard", "wandb"] = "none"
 
     def check_run(self) -> None:
         """`ConfigError` for a run field out of range."""
@@ -113,13 +115,21 @@ class RunFields:
             "data_seed",
             f"None or an int in [0, {MAX_SEED}], got {data_seed}",
         )
-        check_field(self.log in ("none", "tensorboard"), "log", '"none" or "tensorboard"')
+        check_field(
+            self.log in ("none", "tensorboard", "wandb"), "log", '"none", "tensorboard" or "wandb"'
+        )
         if self.log == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
             # Checked here, not when the run's outputs are written: before training.
             raise ConfigError(
                 "config field 'log' = 'tensorboard' needs the tensorboardX package: "
                 "pip install 'shoal[tensorboard]' (or pip install tensorboardX)"
             )
+        if self.log == "wandb":
+            from shoal.experiments.reports.wandb_log import wandb_problem
+
+            problem = wandb_problem()  # the package, WANDB_MODE: before training too
+            if problem is not None:
+                raise ConfigError(problem)
         check_field(
             self.inject_nonfinite == "" or self.injection() is not None,
             "inject_nonfinite",

@@ -168,10 +168,10 @@ def test_guide_phrases_ratios_near_one():
 
 def test_log_field_is_validated():
     cfg = load_config(QUICKSTART)
-    with pytest.raises(ConfigError, match="bad value for log: 'wandb'"):
-        apply_overrides(cfg, ["log=wandb"])
+    with pytest.raises(ConfigError, match="bad value for log: 'mlflow'"):
+        apply_overrides(cfg, ["log=mlflow"])
     with pytest.raises(ConfigError, match="'log' must be"):
-        dataclasses.replace(cfg, log="wandb")
+        dataclasses.replace(cfg, log="mlflow")
 
 
 def test_log_tensorboard_without_the_package_names_the_extra(monkeypatch, tmp_path):

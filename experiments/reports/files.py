@@ -195,4 +195,8 @@ def write_run(
     if getattr(cfg, "log", "none") == "tensorboard":
         paths.append(out / TENSORBOARD)
         write_tensorboard(paths[-1], records)
+    if getattr(cfg, "log", "none") == "wandb":
+        from shoal.experiments.reports.wandb_log import write_wandb  # it imports this module
+
+        paths.append(write_wandb(out, cfg, records, entries))
     return paths

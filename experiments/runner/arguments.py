@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(metrics.jsonl, metrics.csv, loss plots, summary.md).",
         epilog=f"bundled configs: {', '.join(bundled_configs())}; algorithms: "
         f"{', '.join(bundled_algorithms())} (each one's hyper-parameters: "
-        "experiments/algorithms/<name>.py)",
+        "experiments/algorithms/<name>.py). --set log=wandb writes wandb runs under "
+        "<out>/wandb/, offline unless WANDB_MODE is set (upload them with wandb sync)",
     )
     p.add_argument(
         "config",
@@ -163,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train at most STEPS steps in this invocation (all algorithms together), save a "
         "checkpoint and exit without a report; continue with --resume",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (a terminal) or the progress lines (stderr not a terminal)",
+    )
     return p
 
 

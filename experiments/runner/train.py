@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from shoal.comms import wire_bytes
 from shoal.experiments import algorithms
@@ -21,6 +20,7 @@ from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner import checkpoint, memory, policies, projection
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
+from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
 from shoal.experiments.tasks.protocol import metrics_of
 from shoal.optim import NonFiniteGradientError, update_and_apply
 from shoal.optim.helpers import take_raised
@@ -384,8 +384,8 @@ def train(
 
     first = run.first
     stop = cfg.steps if max_steps is None else min(cfg.steps, first - 1 + max_steps)
-    bar = tqdm(total=cfg.steps, initial=first - 1, desc=run.entry.label,
-               disable=not (progress and backend.is_root))  # fmt: skip
+    # A bar on a terminal, plain lines in a log file (`progress_bar`).
+    bar = progress_bar(cfg.steps, first - 1, run.entry.label, progress and backend.is_root)
     for step in range(first, stop + 1):
         gathered = run.run_step(step)
         evaluate = step % cfg.eval_every == 0 or step == cfg.steps
@@ -398,7 +398,7 @@ def train(
             if on_record is not None:
                 on_record(rec)
             bar.update(1)
-            if evaluate or step % 10 == 0:
+            if evaluate or step % POSTFIX_EVERY == 0:
                 bar.set_postfix({"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"})
         periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if checkpoints is not None and step < cfg.steps and (periodic or step == stop):
