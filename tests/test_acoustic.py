@@ -179,6 +179,26 @@ def test_study_runs_each_row_once_and_writes_tables(study_file, tmp_path, capsys
     assert len(records) == 8 + 4 + 2
 
 
+def test_study_over_seeds_shows_mean_and_std(study_file, tmp_path):
+    out = tmp_path / "out"
+    assert main([str(study_file), "--no-progress", "--seeds", "0,3", "--out", str(out)]) == 0
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["workers"], r["algorithm"], r["seed"]) for r in results] == [
+        (1, "ssgd", 0), (1, "ssgd", 3), (2, "ssgd", 0), (2, "ssgd", 3), (4, "bmuf", 0),
+        (4, "bmuf", 3)]  # fmt: skip
+    errors = {}
+    for r in results:
+        errors.setdefault((r["workers"], r["algorithm"]), []).append(r["test_error"])
+    bmuf, base = np.array(errors[(4, "bmuf")]), np.mean(errors[(1, "ssgd")])
+    rel = relative_reduction(bmuf.mean(), base)
+    mb = np.mean([r["mb_sent"] for r in results if r["algorithm"] == "bmuf"])
+    row = f"| BMUF | 4 | 2 | {bmuf.mean():.2%} ± {bmuf.std(ddof=1):.2%} | {rel:+.1f} | {mb:.2f} |"
+    text = (out / "summary.md").read_text()
+    assert row in text and "x 2 seeds (0, 3)" in text, text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * (8 + 4 + 2)
+
+
 def test_study_errors(study_file, capsys):
     assert main([str(study_file), "--workers", "4"]) == 2
     assert "a study runs its own worker counts" in capsys.readouterr().err

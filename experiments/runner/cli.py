@@ -124,7 +124,12 @@ def _setup_study(args, study: Study) -> tuple[Study, list]:
         raise ConfigError(
             f"a study sets {', '.join(_STUDY_FIELDS)} per run: cannot --set {fixed[0]}"
         )
-    study = dataclasses.replace(study, config=apply_overrides(study.config, sets))
+    if args.seeds is not None and "seed" in dict(sets):
+        raise ConfigError("--seeds and --set seed=... both choose the seed: pass one of them")
+    if args.sweep is not None:
+        raise ConfigError("--sweep tunes a config's entries; a study's rows are fixed: drop it")
+    seeds = study.seeds if args.seeds is None else args.seeds
+    study = dataclasses.replace(study, config=apply_overrides(study.config, sets), seeds=seeds)
     task_factory(study.config.task)
     return study, study.resolve_runs()  # every run checked, before any training
 

@@ -12,12 +12,15 @@ Every run trains from the same initial model on the same data, and sees the same
 number of training examples (``epochs`` passes over the training set), as in a paper
 that trains each method on the whole corpus: with ``N`` workers a run takes ``epochs
 * train_size / (N * batch_size)`` steps. Rows that name the same (workers, algorithm)
-run once. ``--set`` overrides apply to the shared config.
+run once. ``--set`` overrides apply to the shared config. With ``seeds`` (or
+``shoal-run --seeds``) every run trains once per seed, each from its own initial model and
+batch order on the same data (`Config.seeded`), and the tables show mean ± std over them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -78,13 +81,24 @@ class Study:
     baseline: Row = Row(("SGD",), 1, "ssgd")
     evals: int = 4
     description: str = ""
+    # Seeds every run trains with (empty: the config's seed alone).
+    seeds: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "tables", tuple(self.tables))
+        object.__setattr__(self, "seeds", tuple(self.seeds))
         if not self.tables:
             raise ConfigError("a study needs at least one table")
         if self.epochs < 1 or self.evals < 1:
             raise ConfigError("a study's epochs and evals must be ints >= 1")
+        if len(set(self.seeds)) < len(self.seeds) or any(
+            not isinstance(s, int) or s < 0 for s in self.seeds
+        ):
+            raise ConfigError(f"a study's seeds must be distinct ints >= 0, got {self.seeds}")
+
+    def seed_configs(self, run: Config) -> list[Config]:
+        """``run`` once per seed (`Config.seeded`: the same data), or as it is."""
+        return [run.seeded(s) for s in self.seeds] if self.seeds else [run]
 
     def runs(self) -> list[Row]:
         """The baseline, then every distinct (workers, algorithm) in table order."""
@@ -141,28 +155,37 @@ def run_study(
 ) -> dict[tuple[int, str], dict[str, Any]]:
     """Train every run of ``study`` and write ``out``; ``resolved``: its
     `Study.resolve_runs` (made here when None: every config is checked before any
-    training). Returns the summary of every run by ``(workers, algorithm)``."""
+    training). Returns the summary of every run by ``(workers, algorithm)``: over several
+    seeds, the mean of each number, with ``test_error_std`` and ``seeds`` (`over_seeds`)."""
     resolved = study.resolve_runs() if resolved is None else resolved
     start = time.perf_counter()
-    task = make_task(study.config)
     backends: dict[int, SimBackend] = {}
-    summaries: dict[tuple[int, str], dict[str, Any]] = {}
+    per_seed: dict[tuple[int, str], list[dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
-    for i, (row, cfg, entry) in enumerate(resolved, 1):
-        backend = backends.setdefault(row.workers, SimBackend(row.workers))
-        result = train(cfg, task, backend, entry, progress=progress)
-        summaries[row.key] = {"workers": row.workers, **result.summary}
-        records += [{"workers": row.workers, **rec} for rec in result.records]
-        s = result.summary
-        print(f"[{i}/{len(resolved)}] {row.algorithm} on {_workers(row.workers)}, {cfg.steps} "
-              f"steps: test error {s['test_error']:.2%}, {s['mb_sent']:.2f} MB sent/worker, "
-              f"{s['wall_s']:.1f} s", flush=True)  # fmt: skip
+    total = len(resolved) * max(1, len(study.seeds))
+    i = 0
+    for data_cfg in study.seed_configs(study.config):
+        task = make_task(data_cfg)
+        for row, run_cfg, entry in resolved:
+            i += 1
+            cfg = run_cfg.seeded(data_cfg.seed) if study.seeds else run_cfg
+            entry = dataclasses.replace(entry, cfg=cfg)  # its builder sees the seed
+            backend = backends.setdefault(row.workers, SimBackend(row.workers))
+            result = train(cfg, task, backend, entry, progress=progress)
+            per_seed.setdefault(row.key, []).append({"workers": row.workers, **result.summary})
+            records += [{"workers": row.workers, **rec} for rec in result.records]
+            s = result.summary
+            print(f"[{i}/{total}] {row.algorithm} on {_workers(row.workers)}, seed {cfg.seed}, "
+                  f"{cfg.steps} steps: test error {s['test_error']:.2%}, {s['mb_sent']:.2f} MB "
+                  f"sent/worker, {s['wall_s']:.1f} s", flush=True)  # fmt: skip
     wall = time.perf_counter() - start
+    summaries = {key: over_seeds(runs) for key, runs in per_seed.items()}
 
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as f:
-        for s in summaries.values():
-            f.write(json_line(s))
+        for runs in per_seed.values():
+            for s in runs:
+                f.write(json_line(s))
     with open(out / "metrics.jsonl", "w") as f:
         for r in records:
             f.write(json_line(r))
@@ -170,6 +193,21 @@ def run_study(
         summary_markdown(study, summaries, task=task, command=command, wall_s=wall)
     )
     return summaries
+
+
+def over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's summaries over its seeds: the first's fields, each number replaced by
+    its mean over the seeds, plus ``seeds`` (how many) and ``test_error_std`` (sample
+    std, 0 for one seed)."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, float):  # the ints (workers, steps, seed) are the run's own
+            out[k] = statistics.fmean(r[k] for r in runs)
+    out.pop("seed", None)
+    out["seeds"] = len(runs)
+    errors = [r["test_error"] for r in runs]
+    out["test_error_std"] = statistics.stdev(errors) if len(errors) > 1 else 0.0
+    return out
 
 
 def _workers(n: int) -> str:
@@ -201,7 +239,8 @@ def table_markdown(
         cells = (
             *row.labels,
             str(s["steps"]),
-            f"{s['test_error']:.2%}",
+            f"{s['test_error']:.2%}"
+            + (f" ± {s['test_error_std']:.2%}" if s.get("seeds", 1) > 1 else ""),
             _signed(relative_reduction(s["test_error"], baseline)),
             f"{s['mb_sent']:.2f}",
             f"{s['wall_s']:.1f}",
@@ -231,9 +270,19 @@ def summary_markdown(
     )
     base_label = f"{' '.join(study.baseline.labels)} on {_workers(study.baseline.workers)}"
     unit = "sequences" if cfg.task == "hmm" else "examples"
+    n = len(study.seeds)
+    seeds = f" x {n} seeds ({', '.join(map(str, study.seeds))})" if n else ""
+    spread = (
+        f" With {n} seeds, each run trains from each seed's own initial model and batch order "
+        f"on the same data; {error}s are mean ± sample std over the seeds, and the "
+        "reduction compares the means."
+        if n > 1
+        else ""
+    )
+    base_spread = f" ± {base['test_error_std']:.2%}" if n > 1 else ""
     return f"""# {cfg.name}
 
-`{command}`: {len(summaries)} runs on simulated workers, {wall_s:.0f} s in all.
+`{command}`: {len(summaries)} runs{seeds} on simulated workers, {wall_s:.0f} s in all.
 
 {study.description}
 
@@ -242,11 +291,11 @@ the {cfg.train_size} training {unit} ({cfg.batch_size} per worker and step), and
 {error} of its final model on the {cfg.test_size} test {unit} (for BMUF and BMUF_GTC the
 global model of the last BMUF step, which is the last step). "rel. reduction" is the
 paper's relative error reduction with respect to the baseline, {base_label}
-(`{study.baseline.algorithm}`): `100 * (baseline - error) / baseline`, negative is worse.
+(`{study.baseline.algorithm}`): `100 * (baseline - error) / baseline`, negative is worse.{spread}
 MB: 10^6 bytes sent per worker in the whole run: every step's `shoal.comms.wire_bytes`.
 Wall time includes compilation.
 
-Baseline {error}: {base_err:.2%} ({base["steps"]} steps, {base["wall_s"]:.1f} s).
+Baseline {error}: {base_err:.2%}{base_spread} ({base["steps"]} steps, {base["wall_s"]:.1f} s).
 {ref_lines}
 {tables}
 
