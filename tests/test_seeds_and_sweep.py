@@ -149,3 +149,16 @@ def test_sweep_picks_by_validation_loss_and_trains_the_choice_over_the_seeds(tmp
     entry = algorithms.resolve(f"ssgd[local.learning_rate={ssgd['chosen']}]", cfg)
     result = train(cfg, task, SimBackend(2), entry, progress=False)
     assert result.summary["test_loss"] == ssgd["losses"][ssgd["chosen"]]
+
+
+def test_factors_scale_each_entrys_own_rate():
+    assert sweep.parse_sweep("learning_rate=x0.5, x2") == ("learning_rate", ("x0.5", "x2"))
+    for bad in ("learning_rate=x0.5,0.1", "learning_rate=x0,x1", "learning_rate=xa"):
+        with pytest.raises(Exception, match="--sweep learning_rate"):
+            sweep.parse_sweep(bad)
+    cfg = Config(workers=2, steps=20, algorithms=("ssgd", "diloco"))
+    ssgd, diloco = algorithms.resolve_all(cfg)
+    assert sweep.resolved_value(ssgd, "local.learning_rate", "x2") == repr(0.05 * 2)
+    assert sweep.resolved_value(diloco, "inner.adamw.learning_rate", "x0.5") == repr(1e-3 * 0.5)
+    assert sweep.resolved_value(ssgd, "local.learning_rate", "0.3") == "0.3"
+    assert sweep.choose({"x0.5": math.nan, "x2": math.nan}, ("x2", "x0.5")) == ("x0.5", False)

@@ -4,12 +4,14 @@ the test set), and then trains with its best value over the seeds.
 
 A grid key is ``learning_rate`` (each entry's own main learning rate: the local
 optimizer's, DiLoCo's inner one, LAMB's; `swept_path` finds it) or a dotted path in the
-entry's hyper-parameters (``outer.learning_rate``). A value is tried as a bracket of the
+entry's hyper-parameters (``outer.learning_rate``). A value is a number, or ``xF``: F
+times the entry's own value, so that one grid suits optimizers whose rates differ by
+orders of magnitude (SGD at 0.1, AdamW at 1e-3). A value is tried as a bracket of the
 entry, so the chosen run's label says what it trained with::
 
-    shoal-run compression_pareto_lm --sweep learning_rate=0.03,0.1,0.3 --seeds 0,1,2
+    shoal-run compression_pareto_lm --sweep learning_rate=x0.3,x1,x3 --seeds 0,1,2
 
-trains ``gtc[local.learning_rate=0.1]`` (say) on seeds 0, 1 and 2 after the sweep. The
+trains ``gtc[local.learning_rate=0.3]`` (say) on seeds 0, 1 and 2 after the sweep. The
 sweep runs on the first seed, for ``--sweep-fraction`` of the run's steps (shortened to
 the nearest horizon every entry accepts, e.g. a whole number of BMUF blocks).
 """
@@ -41,8 +43,21 @@ def parse_sweep(text: str) -> tuple[str, tuple[str, ...]]:
     grid = tuple(v.strip() for v in values.split(",") if v.strip())
     if not eq or not key.strip() or not grid:
         raise argparse.ArgumentTypeError(
-            f"--sweep takes KEY=V1,V2,..., e.g. learning_rate=0.03,0.1,0.3; got {text!r}"
+            f"--sweep takes KEY=V1,V2,..., e.g. learning_rate=0.03,0.1,0.3 or x0.3,x1,x3; "
+            f"got {text!r}"
         )
+    factors = [v for v in grid if v.startswith("x")]
+    if factors and len(factors) < len(grid):
+        raise argparse.ArgumentTypeError(
+            f"--sweep {key}: give all values as numbers or all as factors xF, not both"
+        )
+    for v in factors:
+        try:
+            ok = float(v[1:]) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"--sweep {key}: {v!r} is not a factor xF, F > 0")
     if len(set(grid)) < len(grid):
         raise argparse.ArgumentTypeError(f"--sweep {key}: repeated values in {values!r}")
     return key.strip(), grid
@@ -96,6 +111,20 @@ def swept_path(entry: algorithms.Entry, key: str) -> str:
     return key
 
 
+def value_at(params: Any, path: str) -> Any:
+    """The value at the dotted ``path`` in ``params``."""
+    for part in path.split("."):
+        params = getattr(params, part)
+    return params
+
+
+def resolved_value(entry: algorithms.Entry, path: str, value: str) -> str:
+    """``value`` as the text to set: a factor ``xF`` times the entry's own value."""
+    if not value.startswith("x"):
+        return value
+    return repr(float(value_at(entry.params, path)) * float(value[1:]))
+
+
 def with_value(label: str, path: str, value: str) -> str:
     """``label`` with ``path=value`` added to its brackets (the entry's own override)."""
     name, overrides = algorithms.parse_entry(label)
@@ -131,12 +160,16 @@ def tuning_config(cfg: Config, fraction: float, entries: Sequence[algorithms.Ent
                       f"suits every entry ({why})")  # fmt: skip
 
 
+def _number(value: str) -> float:
+    return float(value[1:] if value.startswith("x") else value)
+
+
 def choose(losses: dict[str, float], values: Sequence[str]) -> tuple[str, bool]:
     """The value with the lowest validation loss, and whether any value stayed finite;
     if none did, the smallest value (the likeliest to be stable) is returned."""
     finite = {v: losses[v] for v in values if math.isfinite(losses[v])}
     if not finite:
-        return min(values, key=float), False
+        return min(values, key=_number), False
     return min(finite, key=finite.__getitem__), True
 
 
@@ -149,10 +182,10 @@ def sweep_section(rows: Sequence[dict[str, Any]], *, key: str, values: Sequence[
     for r in rows:
         cells = [f"{r['losses'][v]:.4f}" if math.isfinite(r["losses"][v]) else "diverged"
                  for v in values]  # fmt: skip
-        chosen = r["chosen"]
+        chosen = r["chosen"] if r["chosen"] == r["value"] else f"{r['chosen']} = {r['value']}"
         if not r["finite"]:
             chosen += " (diverged at every value)"
-        elif chosen in (min(values, key=float), max(values, key=float)):
+        elif r["chosen"] in (min(values, key=_number), max(values, key=_number)):
             chosen += " (edge of the grid)"  # the best may lie outside it
         lines.append(f"| {r['entry']} | {r['path']} | {' | '.join(cells)} | {chosen} |")
     return (
@@ -197,17 +230,17 @@ def tune(
         )
     labels, rows = [], []
     for entry, path in zip(entries, paths, strict=True):
-        losses = {}
+        losses, texts = {}, {v: resolved_value(entry, path, v) for v in values}
         for value in values:
-            candidate = algorithms.resolve(with_value(entry.label, path, value), tune_cfg)
+            candidate = algorithms.resolve(with_value(entry.label, path, texts[value]), tune_cfg)
             result = train(tune_cfg, task, backend, candidate, progress=progress)
             loss = result.summary["test_loss"] if backend.is_root else None
             losses[value] = backend.share(loss)  # the root's records decide for all
         chosen, finite = choose(losses, values)
-        labels.append(with_value(entry.label, path, chosen))
-        rows.append({"entry": entry.label, "path": path, "losses": losses,
-                     "chosen": chosen, "finite": finite})  # fmt: skip
+        labels.append(with_value(entry.label, path, texts[chosen]))
+        rows.append({"entry": entry.label, "path": path, "losses": losses, "chosen": chosen,
+                     "value": texts[chosen], "finite": finite})  # fmt: skip
         if backend.is_root:
-            print(f"tuned {entry.label}: {path}={chosen} (validation loss "
+            print(f"tuned {entry.label}: {path}={texts[chosen]} (validation loss "
                   f"{losses[chosen]:.4f})", flush=True)  # fmt: skip
     return labels, rows, tune_cfg
