@@ -1,10 +1,11 @@
 """`shoal.optim.helpers.same_model_check`: every worker starts from worker 0's model, bit
 for bit, or the check names the first worker that does not and its first differing leaf.
-On 4 simulated workers and under mpiexec (rank-agnostic), on two tiers, and under
-``shard_map`` on 8 host devices (a job of its own)."""
+On 4 simulated workers and under mpiexec (rank-agnostic), on two tiers, under
+``shard_map`` on 8 host devices (a job of its own), and in the runner."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -222,3 +223,50 @@ def test_under_shard_map(tmp_path):
         np.testing.assert_array_equal(got[f"{layout}/same/leaf"], -1)
         np.testing.assert_array_equal(got[f"{layout}/odd/worker"], 2)  # every device
         np.testing.assert_array_equal(got[f"{layout}/odd/leaf"], kernel)
+
+
+@pytest.mark.skipif(harness.UNDER_MPI, reason="the runner's own workers")
+def test_the_runner_refuses_workers_that_start_apart(monkeypatch):
+    from shoal.experiments.overrides import apply_overrides, load_config
+    from shoal.experiments.runner import backends
+    from shoal.experiments.runner.train import train
+    from shoal.experiments.tasks import GaussianMixtureTask
+
+    workers, odd = 4, 3
+    cfg = apply_overrides(
+        load_config(harness.QUICKSTART), [f"workers={workers}", "steps=2", "diloco.sync_every=2"]
+    )
+    task = GaussianMixtureTask(cfg)
+    leaf = jax.tree_util.keystr(jax.tree_util.tree_leaves_with_path(task.init_params())[0][0])
+
+    # A simulated backend whose init broadcast does nothing and whose worker `odd` starts
+    # one ulp off in the first leaf.
+    @dataclasses.dataclass(frozen=True)
+    class NoBroadcast(AxisCollective):
+        def broadcast(self, tree, root=0):
+            return tree
+
+    class Backend(backends.SimBackend):
+        def __init__(self, size):
+            super().__init__(size)
+            self.collective = NoBroadcast(backends.AXIS, size)
+
+        def replicate(self, tree):
+            def apart(a):
+                a = np.array(super(Backend, self).replicate(a))
+                a.reshape(workers, -1)[odd, 0] = ulp_up(a.reshape(workers, -1)[odd, 0])
+                return a
+
+            first, *rest = jax.tree.leaves(tree)
+            return jax.tree.unflatten(
+                jax.tree.structure(tree), [apart(first), *super().replicate(rest)]
+            )
+
+    for algorithm in ("diloco", "ssgd"):
+        with pytest.raises(ValueError) as e:
+            train(cfg, task, Backend(workers), algorithm, progress=False)
+        assert str(e.value) == (
+            f"worker {odd} starts from a different model than worker 0: first differing leaf {leaf}"
+        )
+    # The same backend with the broadcast: the workers start alike and it trains.
+    assert train(cfg, task, backends.SimBackend(workers), "diloco", progress=False).finished
