@@ -130,7 +130,8 @@ def bmuf(
     ``eta = 1 - zeta / N`` (``N = collective.size``, the number of models averaged).
 
     Start: ``W_g(0)`` is the ``params`` given to ``init``, so every worker must init
-    from the same model, e.g. ``params = collective.broadcast(params, 0)`` first.
+    from the same model, e.g. ``params = collective.broadcast(params, 0)`` first; see
+    `shoal.optim.helpers.same_model_check`, which checks it (``shoal-run`` does).
 
     Local steps communicate nothing; `shoal.optim.skip_nonfinite` around it, which skips
     steps with a NaN/Inf gradient, all-reduces its 4-byte flag on every step.

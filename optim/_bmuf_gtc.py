@@ -61,7 +61,8 @@ def bmuf_gtc(
     ``inner``'s state only; GTC's residuals are kept, so no gradient mass is lost.
 
     Every worker must ``init`` from the same params, e.g. rank 0's:
-    ``params = intra.broadcast(inter.broadcast(params, 0), 0)``.
+    ``params = intra.broadcast(inter.broadcast(params, 0), 0)``; see
+    `shoal.optim.helpers.same_model_check` with ``(intra, inter)``, which checks it.
 
     To skip steps with a NaN/Inf gradient on all ``N`` workers together, wrap it in
     ``shoal.optim.skip_nonfinite(tx, collective=(intra, inter))``: the flag is summed

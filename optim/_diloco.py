@@ -109,7 +109,8 @@ def diloco(
     ``outer = optax.sgd(block_lr, momentum=block_momentum, nesterov=True)``.
 
     Start: ``theta_g`` is the ``params`` given to ``init``, so every worker must init from
-    the same model, e.g. ``params = collective.broadcast(params, 0)`` first.
+    the same model, e.g. ``params = collective.broadcast(params, 0)`` first; see
+    `shoal.optim.helpers.same_model_check`, which checks it (``shoal-run`` does).
 
     Inner steps communicate nothing; `shoal.optim.skip_nonfinite` around it, which skips
     steps with a NaN/Inf gradient, all-reduces its 4-byte flag on every update.

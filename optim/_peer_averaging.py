@@ -113,7 +113,8 @@ def peer_averaging(
     Wire: ``n`` bytes sent and ``n`` received per step (``n`` = param bytes).
 
     Start every worker from the same model (e.g. ``collective.broadcast(params, 0)``),
-    as Algorithm 4 does; averaging also works from different models.
+    as Algorithm 4 does; averaging also works from different models. See
+    `shoal.optim.helpers.same_model_check`, which checks it (``shoal-run`` does).
 
     Args:
       inner: the local optimizer, any optax transformation.

@@ -67,6 +67,10 @@ def sma(
     Wire: one ring all-reduce (mean) of the model per step, ``2 (N - 1) / N`` times the
     param bytes each way.
 
+    Start every worker from the same model, e.g. ``collective.broadcast(params, 0)``: the
+    pull shrinks their differences but never removes them. See
+    `shoal.optim.helpers.same_model_check`, which checks it (``shoal-run`` does).
+
     Args:
       inner: the local optimizer, any optax transformation.
       collective: the workers whose models are averaged (`shoal.comms.Collective`).

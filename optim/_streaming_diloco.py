@@ -182,7 +182,8 @@ def streaming_diloco(
 
     ``update(grads, state, params)`` needs ``params`` (this worker's model) and returns
     updates with ``optax.apply_updates(params, updates)`` this worker's next model.
-    Every worker must init from the same model, e.g. ``collective.broadcast(params, 0)``.
+    Every worker must init from the same model, e.g. ``collective.broadcast(params, 0)``;
+    see `shoal.optim.helpers.same_model_check`, which checks it (``shoal-run`` does).
     `shoal.optim.skip_nonfinite` around it skips steps with a NaN/Inf gradient (its
     4-byte flag is all-reduced every update).
 

@@ -1,7 +1,7 @@
 """Helpers that read or plan what a transformation does, beside the factories of
 `shoal.optim`: the gradient noise scale of a monitor's state, the peers of a step of peer
-averaging, the bins of partial exchange, and the error ``nonfinite="raise"`` raised inside
-a compiled step.
+averaging, the bins of partial exchange, the error ``nonfinite="raise"`` raised inside
+a compiled step, and the check that every worker starts from the same model.
 
 Example:
   >>> from shoal.optim.helpers import peer_permutation
@@ -13,5 +13,14 @@ from shoal.optim._noise_scale import noise_scale
 from shoal.optim._nonfinite import take_raised
 from shoal.optim._partial_exchange import pgx_partition
 from shoal.optim._peer_averaging import peer_permutation
+from shoal.optim._same_model import SameModelCheck, check_same_model, same_model_check
 
-__all__ = ["noise_scale", "peer_permutation", "pgx_partition", "take_raised"]
+__all__ = [
+    "SameModelCheck",
+    "check_same_model",
+    "noise_scale",
+    "peer_permutation",
+    "pgx_partition",
+    "same_model_check",
+    "take_raised",
+]

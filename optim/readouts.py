@@ -68,11 +68,17 @@ READOUTS = (
 def step_figures(opt_state: Any) -> dict[str, jax.Array]:
     """The figures of `READOUTS` that ``opt_state`` holds, by name (only those it has).
 
+    On a state stacked over workers (leading worker axes, read outside ``vmap``) every
+    figure is the workers' own figures, stacked alike: worker ``i``'s entry is what worker
+    ``i`` reads inside ``vmap``, never divided or summed over the workers. The run's value
+    is then ``Readout.combine`` of them (their mean, or their maximum), as the runner
+    records it.
+
     Args:
       opt_state: an optimizer state (one worker's, or stacked over workers).
 
     Returns:
-      a dict of scalar arrays (a leading worker axis when stacked or under ``vmap``).
+      a dict of scalar arrays (with the worker axes when stacked or under ``vmap``).
     """
     found = {r.name: r.read(opt_state) for r in READOUTS}
     return {k: v for k, v in found.items() if v is not None}

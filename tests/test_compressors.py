@@ -90,6 +90,19 @@ def test_topk_keeps_the_largest_and_packs_the_codes():
     assert TopK(fraction=1.0, chunk_size=70000).row_bytes(70000) == 70000 * 8  # uint32
 
 
+def test_topk_takes_its_fraction_positionally():
+    # As the diloco docstring and the README write it: TopK(0.01), like Quantized("fp4").
+    assert TopK(0.01) == TopK(fraction=0.01)
+    assert TopK(0.25, chunk_size=8, value_bits=2) == TopK(fraction=0.25, chunk_size=8,
+                                                          value_bits=2)  # fmt: skip
+    # 1% of a chunk of 200 is 2 values: a float32 and a uint16 index each.
+    assert TopK(0.01, chunk_size=200).row_bytes(200) == 2 * (4 + 2)
+    with pytest.raises(TypeError, match="positional"):
+        TopK(0.01, 64)  # the others are keyword-only: TopK(0.01, chunk_size=64)
+    with pytest.raises(ValueError, match="fraction"):
+        TopK(0.0)
+
+
 @pytest.mark.mpi
 def test_topk_full_fraction_is_the_exact_mean():
     p = n_workers()

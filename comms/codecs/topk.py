@@ -47,12 +47,13 @@ VALUE_BITS = (2, 4, 8)
 _U16_MAX_CHUNK = 1 << 16
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class TopK(Compressor):
     """Top-k sparsification per chunk with error feedback; an all-gather of the payloads.
 
     Args:
-      fraction: the share of each chunk sent, in (0, 1]; ``k = ceil(fraction L)``.
+      fraction: the share of each chunk sent, in (0, 1]; ``k = ceil(fraction L)``. The
+        one positional argument, as ``Quantized``'s format: ``TopK(0.01)``.
       chunk_size: ``L``, the values per chunk, or None for the whole buffer.
       value_bits: None (float32 values) or 2, 4 or 8 (a sign and ``2^(b-1)`` magnitudes).
       error_feedback: keep what is not sent (default True).
@@ -61,7 +62,7 @@ class TopK(Compressor):
       >>> import jax, jax.numpy as jnp
       >>> from shoal.comms import AxisCollective, TopK
       >>> coll = AxisCollective("workers", 2)
-      >>> codec = TopK(fraction=0.5, chunk_size=2)  # one value of each pair
+      >>> codec = TopK(0.5, chunk_size=2)  # one value of each pair
       >>> codec.wire_bytes(4, size=2)  # per chunk a float32 value and a uint16 index
       (12, 12)
       >>> f = lambda x: codec.mean(x, codec.init(4, 2), collective=coll)
@@ -76,6 +77,7 @@ class TopK(Compressor):
 
     pattern: ClassVar[str] = "all_gather"
     fraction: float
+    _: dataclasses.KW_ONLY
     chunk_size: int | None = None
     value_bits: int | None = None
 

@@ -23,7 +23,7 @@ from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
 from shoal.experiments.tasks.protocol import metrics_of
 from shoal.optim import NonFiniteGradientError, update_and_apply
-from shoal.optim.helpers import take_raised
+from shoal.optim.helpers import check_same_model, same_model_check, take_raised
 from shoal.optim.readouts import READOUTS, evaluation_params, step_figures
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
@@ -132,6 +132,14 @@ def carry_state(old: Any, new: Any) -> Any:
     return new
 
 
+@functools.lru_cache(maxsize=8)
+def _same_model(backend: Backend, comms: Any, group_size: int | None):
+    """`same_model_check` of all of ``backend``'s workers, compiled once for the entries of
+    a run that share their collectives (a compile costs more than the check)."""
+    check = functools.partial(same_model_check, collective=comms)
+    return backend.spmd(check, group_size=group_size)
+
+
 def _per_worker(values: np.ndarray) -> int | float:
     # Exact int when the workers agree (symmetric collectives), else the mean.
     return int(values[0]) if np.all(values == values[0]) else float(values.mean())
@@ -160,6 +168,10 @@ class _Run:
         self.start = time.perf_counter()
         self.tx = self.build(self.comms)
         self.params = self.spmd(from_root)(backend.replicate(task.init_params()))
+        # Every worker starts from worker 0's model, bit for bit (two small all-reduces; the
+        # same verdict on every process, so all raise alike).
+        same = _same_model(backend, self.comms, group_size)(self.params)
+        check_same_model(backend.stacked(same), self.params)
         self.opt_state = self.spmd(self.tx.init)(self.params)
         self.sent_total = np.zeros(backend.size, np.int64)
         self.received_total = np.zeros(backend.size, np.int64)
