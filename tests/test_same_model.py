@@ -266,7 +266,8 @@ def test_the_runner_refuses_workers_that_start_apart(monkeypatch):
         with pytest.raises(ValueError) as e:
             train(cfg, task, Backend(workers), algorithm, progress=False)
         assert str(e.value) == (
-            f"worker {odd} starts from a different model than worker 0: first differing leaf {leaf}"
+            f"{algorithm}: worker {odd} starts from a different model than worker 0: first "
+            f"differing leaf {leaf}"
         )
     # The same backend with the broadcast: the workers start alike and it trains.
     assert train(cfg, task, backends.SimBackend(workers), "diloco", progress=False).finished

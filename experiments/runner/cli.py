@@ -445,6 +445,8 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
         return 2
     except CheckpointError as e:  # refused by every process together (`Checkpointer.load`)
         return _error(str(e), 2) if is_root else 2
+    except ConfigError as e:  # found at a run's start on every process alike (same model)
+        return _error(str(e), 2) if is_root else 2
     except NonFiniteGradientError as e:
         # nonfinite="raise": every rank stops at the same step, so nobody is left waiting.
         return _error(f"{name}: {e}", 3) if is_root else 3

@@ -171,7 +171,10 @@ class _Run:
         # Every worker starts from worker 0's model, bit for bit (two small all-reduces; the
         # same verdict on every process, so all raise alike).
         same = _same_model(backend, self.comms, group_size)(self.params)
-        check_same_model(backend.stacked(same), self.params)
+        try:
+            check_same_model(backend.stacked(same), self.params)
+        except ValueError as e:  # a task whose init differs per process: one line, exit 2
+            raise ConfigError(f"{entry.label}: {e}") from None
         self.opt_state = self.spmd(self.tx.init)(self.params)
         self.sent_total = np.zeros(backend.size, np.int64)
         self.received_total = np.zeros(backend.size, np.int64)
