@@ -158,7 +158,10 @@ def test_factors_scale_each_entrys_own_rate():
             sweep.parse_sweep(bad)
     cfg = Config(workers=2, steps=20, algorithms=("ssgd", "diloco"))
     ssgd, diloco = algorithms.resolve_all(cfg)
-    assert sweep.resolved_value(ssgd, "local.learning_rate", "x2") == repr(0.05 * 2)
-    assert sweep.resolved_value(diloco, "inner.adamw.learning_rate", "x0.5") == repr(1e-3 * 0.5)
+    assert sweep.resolved_value(ssgd, "local.learning_rate", "x2") == "0.1"
+    assert (
+        sweep.resolved_value(ssgd, "local.learning_rate", "x6") == "0.3"
+    )  # not 0.30000000000000004
+    assert sweep.resolved_value(diloco, "inner.adamw.learning_rate", "x0.5") == "0.0005"
     assert sweep.resolved_value(ssgd, "local.learning_rate", "0.3") == "0.3"
     assert sweep.choose({"x0.5": math.nan, "x2": math.nan}, ("x2", "x0.5")) == ("x0.5", False)

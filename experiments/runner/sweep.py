@@ -122,7 +122,8 @@ def resolved_value(entry: algorithms.Entry, path: str, value: str) -> str:
     """``value`` as the text to set: a factor ``xF`` times the entry's own value."""
     if not value.startswith("x"):
         return value
-    return repr(float(value_at(entry.params, path)) * float(value[1:]))
+    # Six significant digits: 0.1 * 3 is written 0.3, not 0.30000000000000004.
+    return format(float(value_at(entry.params, path)) * float(value[1:]), ".6g")
 
 
 def with_value(label: str, path: str, value: str) -> str:
