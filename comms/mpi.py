@@ -46,7 +46,10 @@ def _import_mpi():
         import mpi4jax
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on the installation
-        raise ImportError("MPICollective needs mpi4py and mpi4jax: pip install 'shoal[mpi]'") from e
+        raise ImportError(
+            "MPICollective needs mpi4py and mpi4jax: run install.sh from shoal's clone (it "
+            "builds mpi4jax against the mpich wheel; README, 'Use shoal in your own project')"
+        ) from e
     return MPI, mpi4jax
 
 

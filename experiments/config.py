@@ -84,9 +84,9 @@ class RunFields:
 
     # Extra logs next to the run's metrics: "tensorboard" also writes TensorBoard event
     # files, one run per algorithm, under tensorboard/ in the output folder (needs the
-    # optional extra: pip install 'shoal[tensorboard]'); "wandb" one wandb run per
-    # algorithm under wandb/, offline unless WANDB_MODE says otherwise (pip install
-    # 'shoal[wandb]'; `shoal.experiments.reports.wandb_log`).
+    # optional extra: pip install -e '.[tensorboard]' in the clone); "wandb" one wandb run
+    # per algorithm under wandb/, offline unless WANDB_MODE says otherwise (pip install -e
+    # '.[wandb]'; `shoal.experiments.reports.wandb_log`).
     log: Literal["none", "tensorboard", "wandb"] = "none"
 
     def check_run(self) -> None:
@@ -122,7 +122,7 @@ class RunFields:
             # Checked here, not when the run's outputs are written: before training.
             raise ConfigError(
                 "config field 'log' = 'tensorboard' needs the tensorboardX package: "
-                "pip install 'shoal[tensorboard]' (or pip install tensorboardX)"
+                "pip install tensorboardX (from shoal's clone: pip install -e '.[tensorboard]')"
             )
         if self.log == "wandb":
             from shoal.experiments.reports.wandb_log import wandb_problem

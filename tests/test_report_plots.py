@@ -176,9 +176,12 @@ def test_log_field_is_validated():
 
 def test_log_tensorboard_without_the_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
-    with pytest.raises(ConfigError, match=r"shoal\[tensorboard\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tensorboardX \(from shoal's clone: pip install -e '\.\[tensorboard\]'\)",
+    ):
         apply_overrides(load_config(QUICKSTART), ["log=tensorboard"])
-    with pytest.raises(ImportError, match=r"shoal\[tensorboard\]"):
+    with pytest.raises(ImportError, match=r"pip install tensorboardX"):
         report.write_tensorboard(tmp_path, [])
 
 

@@ -137,7 +137,7 @@ def write_tensorboard(folder: Path, records: Sequence[dict[str, Any]]) -> None:
         from tensorboardX import SummaryWriter
     except ImportError:
         raise ImportError(
-            "log=tensorboard needs the tensorboardX package: pip install 'shoal[tensorboard]'"
+            "log=tensorboard needs the tensorboardX package: pip install tensorboardX"
         ) from None
     for name in dict.fromkeys(r["algorithm"] for r in records):
         with SummaryWriter(str(folder / name)) as w:

@@ -38,7 +38,7 @@ def wandb_problem() -> str | None:
     if importlib.util.find_spec("wandb") is None:
         return (
             "config field 'log' = 'wandb' needs the wandb package: "
-            "pip install 'shoal[wandb]' (or pip install wandb)"
+            "pip install wandb (from shoal's clone: pip install -e '.[wandb]')"
         )
     mode = wandb_mode()
     if mode not in MODES:
@@ -113,7 +113,7 @@ def write_wandb(
     try:
         import wandb
     except ImportError:
-        raise ImportError("log=wandb needs the wandb package: pip install 'shoal[wandb]'") from None
+        raise ImportError("log=wandb needs the wandb package: pip install wandb") from None
     from shoal.experiments.algorithms import resolve
 
     settings = wandb.Settings(
