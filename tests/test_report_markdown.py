@@ -207,6 +207,7 @@ def test_write_run_over_seeds(tmp_path):
     "module",
     [
         "shoal.experiments.reports.seeds",
+        "shoal.experiments.reports.panels",
         "shoal.experiments.reports.markdown",
         "shoal.experiments.fields",
     ],

@@ -20,6 +20,7 @@ from shoal.experiments.reports.markdown import (
     summary_table,
     volume_reduction,
 )
+from shoal.experiments.reports.panels import PER_PANEL, algorithm_colors, facets, palette
 from shoal.experiments.reports.plots import (
     PLOTS,
     SAMPLES_PLOT,
@@ -32,17 +33,21 @@ from shoal.experiments.reports.seeds import Band, Spread, band, by_entry, spread
 
 __all__ = [
     "COLUMNS",
+    "PER_PANEL",
     "PLOTS",
     "SAMPLES_PLOT",
     "Band",
     "MetricsLog",
     "Spread",
+    "algorithm_colors",
     "band",
     "by_entry",
     "cell",
     "config_rows",
+    "facets",
     "guide",
     "json_line",
+    "palette",
     "plot_accuracy",
     "plot_loss",
     "plot_test_vs_samples",
