@@ -204,9 +204,16 @@ def _bare(tp: Any) -> str:
     return words.split(" ", 1)[1] if words.startswith(("a ", "an ")) else words
 
 
+def for_tasks(*tasks: str, default: Any) -> Any:
+    """A `TaskFields` field that only the bundled ``tasks`` read: `TaskFields.fields_of`
+    leaves it out for the others (their reports put it aside)."""
+    return dataclasses.field(default=default, metadata={"tasks": tasks})
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskFields:
-    """The task, its data and its model (`shoal.experiments.tasks.make_task`)."""
+    """The task, its data and its model (`shoal.experiments.tasks.make_task`). A field
+    read by some bundled tasks only says which (`for_tasks`); the others every task reads."""
 
     # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
     # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
@@ -223,14 +230,14 @@ class TaskFields:
     # ``--seeds`` pins it to the config's, so that every seed trains on the same data from
     # its own initial model and batch order (`Config.seeded`).
     data_seed: int | None = None
-    # Classes (mixture) or hidden states (hmm), and the feature dimension.
-    num_classes: int = 10
-    num_features: int = 32
+    # Classes (mixture, images) or hidden states (hmm), and the feature dimension.
+    num_classes: int = for_tasks("mixture", "hmm", "images", default=10)
+    num_features: int = for_tasks("mixture", "hmm", default=32)
     # Gaussian components per class (mixture only), and the scale of the class or state
     # means relative to the unit noise (smaller is harder; 2 components at 0.6 give a
     # Bayes accuracy near 89%).
-    components: int = 2
-    class_sep: float = 0.6
+    components: int = for_tasks("mixture", default=2)
+    class_sep: float = for_tasks("mixture", "hmm", default=0.6)
     # Points (mixture), sequences (hmm) or byte windows (lm).
     train_size: int = 8192
     test_size: int = 2048
@@ -238,19 +245,33 @@ class TaskFields:
     # the other train_size - validation_size rows and its evaluation reports on these in
     # place of the test set. ``shoal-run --sweep`` tunes on them, never on the test set.
     validation_size: int = 0
-    # Hidden layer widths: MLP layers (mixture) or stacked LSTM layers (hmm).
-    hidden: tuple[int, ...] = (64, 64)
+    # Hidden layer widths: MLP layers (mixture), stacked LSTM layers (hmm) or the CNN's
+    # dense layers (images).
+    hidden: tuple[int, ...] = for_tasks("mixture", "hmm", "images", default=(64, 64))
     # Frames per sequence (hmm) or bytes per example (lm); hmm only: the probability of
     # staying in a state (mean duration 1 / (1 - p) frames), and how many other states each
     # state can move to.
-    seq_len: int = 32
-    hmm_self_loop: float = 0.8
-    hmm_successors: int = 4
+    seq_len: int = for_tasks("hmm", "lm", default=32)
+    hmm_self_loop: float = for_tasks("hmm", default=0.8)
+    hmm_successors: int = for_tasks("hmm", default=4)
     # lm only: transformer width, blocks and attention heads (heads must divide width).
-    lm_width: int = 64
-    lm_layers: int = 2
-    lm_heads: int = 4
-    cnn: Literal["small", "even"] = "small"
+    lm_width: int = for_tasks("lm", default=64)
+    lm_layers: int = for_tasks("lm", default=2)
+    lm_heads: int = for_tasks("lm", default=4)
+    cnn: Literal["small", "even"] = for_tasks("images", default="small")
+
+    @classmethod
+    def fields_of(cls, task: str) -> tuple[str, ...]:
+        """The fields the task ``task`` reads: every field but those declared for other
+        bundled tasks only (`for_tasks`); for a task of your own, the fields every task reads.
+
+        Example:
+          >>> "lm_width" in TaskFields.fields_of("lm"), "lm_width" in TaskFields.fields_of("hmm")
+          (True, False)
+        """
+        return tuple(
+            f.name for f in dataclasses.fields(cls) if task in f.metadata.get("tasks", (task,))
+        )
 
     def check_task(self) -> None:
         """`ConfigError` for a task field out of range."""

@@ -204,22 +204,28 @@ def test_register_requires_what_the_runner_needs():
 
     before = dict(ALGORITHMS)
     with pytest.raises(TypeError, match="skip_in_place"):
-        register("x", Params)  # the module must say how non-finite steps are skipped
+        register("x", Params, family="dense")  # the module must say how steps are skipped
+    with pytest.raises(TypeError, match="family"):
+        register("x", Params, skip_in_place=None)  # ... and which panels reports put it in
+    with pytest.raises(ValueError, match="family must be one of"):
+        register("x", Params, skip_in_place=None, family="other")
     with pytest.raises(TypeError, match="group_size"):
-        register("x", Params, skip_in_place=None, two_tier=True)
+        register("x", Params, skip_in_place=None, family="local", two_tier=True)
     with pytest.raises(TypeError, match="Hyper"):
-        register("x", dict, skip_in_place=None)
+        register("x", dict, skip_in_place=None, family="dense")
     with pytest.raises(ValueError, match="skip_in_place"):
-        register("x", Params, skip_in_place="sometimes")
+        register("x", Params, skip_in_place="sometimes", family="dense")
 
     @dataclasses.dataclass(frozen=True)
     class NoDefault(Hyper):
         rate: float
 
     with pytest.raises(TypeError):
-        register("x", NoDefault, skip_in_place=None)
+        register("x", NoDefault, skip_in_place=None, family="dense")
     with pytest.raises(ValueError, match="already registered"):
-        register("ssgd", Params, skip_in_place=None)(lambda p, ctx: optax.identity())
+        register("ssgd", Params, skip_in_place=None, family="dense")(
+            lambda p, ctx: optax.identity()
+        )
     assert ALGORITHMS == before
 
 

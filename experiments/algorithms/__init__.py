@@ -19,6 +19,7 @@ import pkgutil
 
 from shoal.experiments.algorithms._registry import (
     ALGORITHMS,
+    FAMILIES,
     Algorithm,
     Builder,
     Comms,
@@ -37,6 +38,7 @@ from shoal.experiments.algorithms._registry import (
 
 __all__ = [
     "ALGORITHMS",
+    "FAMILIES",
     "Algorithm",
     "Builder",
     "Comms",

@@ -10,7 +10,7 @@ its steps::
         threshold: float = 0.1
         local: LocalSGD = LocalSGD()
 
-    @register("gtc", GTC, skip_in_place=False)
+    @register("gtc", GTC, skip_in_place=False, family="compressed")
     def build(p: GTC, ctx: Context) -> optax.GradientTransformation:
         return optax.chain(shoal.optim.gtc(p.threshold, collective=ctx.comms), p.local.make())
 
@@ -44,6 +44,14 @@ if TYPE_CHECKING:
     from shoal.experiments.runner.policies import Policy
 
 Comms = Collective | tuple[Collective, Collective]
+
+# What an algorithm sends, each family's meaning: reports plot each family in its own
+# panels, beside the reference (docs/architecture.md, "Registry of runnable algorithms").
+FAMILIES = {
+    "dense": "the whole gradient all-reduced every step",
+    "compressed": "a compressed gradient or momentum exchanged every step",
+    "local": "local steps or partial exchanges, models averaged",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +123,7 @@ class Algorithm:
     reference: bool = False
     compares_to: str | None = None
     warmup: Callable[[Any, Config], int] | None = None
+    family: str | None = None  # None: one made by hand, outside `register` (tests)
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -127,6 +136,7 @@ def register(
     params: type[Hyper],
     *,
     skip_in_place: bool | str | None,
+    family: str,
     two_tier: bool = False,
     policy: Policy | None = None,
     reference: bool = False,
@@ -144,6 +154,11 @@ def register(
         False or "apply" (the update is applied in the pass that computes it: right for
         updates that are the same on every worker, or that mix other workers' models).
         Required: the algorithm's module states it.
+      family: what it sends, one of `FAMILIES`: ``"dense"`` (the whole gradient every
+        step), ``"compressed"`` (less than that, every step, the models kept equal) or
+        ``"local"`` (the models differ between exchanges). Reports plot each family in
+        its own panels beside the reference. Required, so that no algorithm lands in a
+        family it does not belong to by default.
       two_tier: the builder takes ``(intra, inter)``; ``params`` has a ``group_size``.
       policy: the `shoal.experiments.runner.policies.Policy` that may change its
         hyper-parameters during a run.
@@ -155,6 +170,8 @@ def register(
         raise TypeError(f"register({name!r}): params must be a Hyper dataclass, got {params!r}")
     if skip_in_place not in _SKIP_MODES:
         raise ValueError(f"register({name!r}): skip_in_place must be one of {_SKIP_MODES}")
+    if family not in FAMILIES:
+        raise ValueError(f"register({name!r}): family must be one of {list(FAMILIES)}")
     if two_tier and "group_size" not in {f.name for f in dataclasses.fields(params)}:
         raise TypeError(f"register({name!r}): a two-tier algorithm's params need a group_size")
     params()  # every field has a default, and the defaults pass the checks
@@ -163,8 +180,9 @@ def register(
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
         ALGORITHMS[name] = Algorithm(
-            name, params, build, skip_in_place, two_tier, policy, reference, compares_to, warmup
-        )
+            name, params, build, skip_in_place, two_tier, policy, reference, compares_to,
+            warmup, family,
+        )  # fmt: skip
         return build
 
     return add

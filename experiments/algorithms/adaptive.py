@@ -65,7 +65,13 @@ def _due(step: int, p: Adaptive) -> bool:
     return step % p.every == 0 and step >= p.after
 
 
-@register("adaptive", Adaptive, skip_in_place=None, policy=Policy(_due, noise_scale_switch))
+@register(
+    "adaptive",
+    Adaptive,
+    skip_in_place=None,
+    family="dense",
+    policy=Policy(_due, noise_scale_switch),
+)
 def build(p: Adaptive, ctx: Context) -> optax.GradientTransformation:
     if p.sync == "full":
         return ssgd_noise.build(ssgd_noise.SSGDNoise(ema=p.ema, local=p.local), ctx)

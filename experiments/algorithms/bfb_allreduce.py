@@ -24,7 +24,7 @@ class BFBAllReduce(Hyper):
     local: LocalSGD = LocalSGD()
 
 
-@register("bfb_allreduce", BFBAllReduce, skip_in_place=None)
+@register("bfb_allreduce", BFBAllReduce, skip_in_place=None, family="dense")
 def build(p: BFBAllReduce, ctx: Context) -> optax.GradientTransformation:
     order = None
     if ctx.task is not None:

@@ -29,7 +29,7 @@ class BMUF(BlockFields):
         self.check_blocks(run, self.warmup_steps)
 
 
-@register("bmuf", BMUF, skip_in_place="apply")
+@register("bmuf", BMUF, skip_in_place="apply", family="local")
 def build(p: BMUF, ctx: Context) -> optax.GradientTransformation:
     return optim.bmuf(
         p.local.make(),

@@ -34,7 +34,7 @@ class BMUFGTC(BlockFields, GTCFields):
         self.check_blocks(run)
 
 
-@register("bmuf_gtc", BMUFGTC, skip_in_place="apply", two_tier=True)
+@register("bmuf_gtc", BMUFGTC, skip_in_place="apply", family="local", two_tier=True)
 def build(p: BMUFGTC, ctx: Context) -> optax.GradientTransformation:
     intra, inter = ctx.comms
     return optim.bmuf_gtc(

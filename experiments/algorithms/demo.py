@@ -27,7 +27,7 @@ class DeMo(Hyper):
         check_field(self.learning_rate > 0, "learning_rate", "a float > 0")
 
 
-@register("demo", DeMo, skip_in_place=None)
+@register("demo", DeMo, skip_in_place=None, family="compressed")
 def build(p: DeMo, ctx: Context) -> optax.GradientTransformation:
     tx = optim.demo(
         collective=ctx.comms,

@@ -19,7 +19,7 @@ class GTC(GTCFields):
     local: LocalSGD = LocalSGD()
 
 
-@register("gtc", GTC, skip_in_place=False)
+@register("gtc", GTC, skip_in_place=False, family="compressed")
 def build(p: GTC, ctx: Context) -> optax.GradientTransformation:
     tx = optim.gtc(p.threshold, collective=ctx.comms, capacity=p.capacity)
     return optax.chain(tx, p.local.make())

@@ -22,6 +22,6 @@ class LAMB(LambFields):
 # added to the parameters in the pass that computes it instead of being written out per
 # worker first (1-bit LAMB's compression stage at 1.05M params x 16 simulated workers:
 # 1.94x -> 1.84x local SGD's step, side by side in one process).
-@register("lamb", LAMB, skip_in_place="apply")
+@register("lamb", LAMB, skip_in_place="apply", family="dense")
 def build(p: LAMB, ctx: Context) -> optax.GradientTransformation:
     return p.rule(optim.onebit_lamb, ctx, freeze_step=ctx.run.steps + 1)

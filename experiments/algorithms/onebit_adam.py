@@ -19,6 +19,6 @@ class OneBitAdam(OneBitFields):
 
 
 # "apply": the update is the same on every worker (as 1-bit LAMB's).
-@register("onebit_adam", OneBitAdam, skip_in_place="apply")
+@register("onebit_adam", OneBitAdam, skip_in_place="apply", family="compressed")
 def build(p: OneBitAdam, ctx: Context) -> optax.GradientTransformation:
     return p.rule(optim.onebit_adam, ctx, freeze_step=p.frozen_at(ctx.run.steps))

@@ -23,6 +23,7 @@ class OneBitLAMB(OneBitFields):
     "onebit_lamb",
     OneBitLAMB,
     skip_in_place="apply",
+    family="compressed",
     compares_to="lamb",
     warmup=onebit_warmup,
 )

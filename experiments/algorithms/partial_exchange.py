@@ -21,6 +21,6 @@ class PartialExchange(Hyper):
     local: LocalSGD = LocalSGD()
 
 
-@register("partial_exchange", PartialExchange, skip_in_place=True)
+@register("partial_exchange", PartialExchange, skip_in_place=True, family="local")
 def build(p: PartialExchange, ctx: Context) -> optax.GradientTransformation:
     return optax.chain(optim.partial_exchange(p.fraction, collective=ctx.comms), p.local.make())

@@ -29,7 +29,7 @@ class PeerAveraging(Hyper):
             raise ConfigError("peer averaging needs at least 2 workers")
 
 
-@register("peer_averaging", PeerAveraging, skip_in_place="apply")
+@register("peer_averaging", PeerAveraging, skip_in_place="apply", family="local")
 def build(p: PeerAveraging, ctx: Context) -> optax.GradientTransformation:
     return optim.peer_averaging(
         p.local.make(),

@@ -20,6 +20,6 @@ class SMA(Hyper):
     local: LocalSGD = LocalSGD()
 
 
-@register("sma", SMA, skip_in_place="apply")
+@register("sma", SMA, skip_in_place="apply", family="local")
 def build(p: SMA, ctx: Context) -> optax.GradientTransformation:
     return optim.sma(p.local.make(), collective=ctx.comms, alpha=p.alpha)

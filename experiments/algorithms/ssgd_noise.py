@@ -20,7 +20,7 @@ class SSGDNoise(Hyper):
     local: LocalSGD = LocalSGD()
 
 
-@register("ssgd_noise", SSGDNoise, skip_in_place=None)
+@register("ssgd_noise", SSGDNoise, skip_in_place=None, family="dense")
 def build(p: SSGDNoise, ctx: Context) -> optax.GradientTransformation:
     monitor = optim.gradient_noise_scale(
         collective=ctx.comms, local_batch_size=ctx.run.batch_size, ema=p.ema

@@ -35,7 +35,7 @@ class StreamingDiLoCo(RoundFields):
         )
 
 
-@register("streaming_diloco", StreamingDiLoCo, skip_in_place=None)
+@register("streaming_diloco", StreamingDiLoCo, skip_in_place=None, family="local")
 def build(p: StreamingDiLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.streaming_diloco(
         p.inner.make(),

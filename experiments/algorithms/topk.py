@@ -18,7 +18,7 @@ class TopKSGD(TopKCodec):
     local: LocalSGD = LocalSGD()
 
 
-@register("topk", TopKSGD, skip_in_place=None)
+@register("topk", TopKSGD, skip_in_place=None, family="compressed")
 def build(p: TopKSGD, ctx: Context) -> optax.GradientTransformation:
     tx = optim.topk(
         p.fraction,

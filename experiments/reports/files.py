@@ -103,15 +103,12 @@ def write_csv(path: Path, records: Sequence[dict[str, Any]]) -> None:
     # Eval columns stay empty on steps without an evaluation; a task's own test metrics
     # (`shoal.experiments.tasks.Task.evaluate`) follow the usual columns.
     extra = {k: None for r in records for k in r if k not in COLUMNS}
+    # A seed column only for records that carry one.
+    columns = [c for c in COLUMNS if c != "seed" or any("seed" in r for r in records)]
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], restval="")
+        w = csv.DictWriter(f, fieldnames=[*columns, *extra], restval="")
         w.writeheader()
         w.writerows(records)
-
-
-# Coincident curves (e.g. ssgd and bfb_allreduce, which reduce the same gradient) would hide one
-# another: the later ones are drawn on top with these (linestyle, marker) pairs and say
-# which curve they follow in the legend.
 
 
 TENSORBOARD = "tensorboard"
@@ -130,19 +127,21 @@ TENSORBOARD_TAGS = {
 
 def write_tensorboard(folder: Path, records: Sequence[dict[str, Any]]) -> None:
     """TensorBoard event files from the run's records: one run (subfolder) per algorithm,
-    so TensorBoard overlays the algorithms; the scalars of `TENSORBOARD_TAGS` at each
-    record's step and the policy changes as text. Needs ``tensorboardX`` (the
-    ``tensorboard`` extra)."""
+    so TensorBoard overlays the algorithms, and with several seeds one per algorithm and
+    seed (``ssgd/seed_1``); the scalars of `TENSORBOARD_TAGS` at each record's step and the
+    policy changes as text. Needs ``tensorboardX`` (the ``tensorboard`` extra)."""
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
         raise ImportError(
             "log=tensorboard needs the tensorboardX package: pip install tensorboardX"
         ) from None
-    for name in dict.fromkeys(r["algorithm"] for r in records):
-        with SummaryWriter(str(folder / name)) as w:
+    several = len({r.get("seed") for r in records}) > 1
+    for run in dict.fromkeys((r["algorithm"], r.get("seed")) for r in records):
+        sub = folder / run[0] / f"seed_{run[1]}" if several else folder / run[0]
+        with SummaryWriter(str(sub)) as w:
             for r in records:
-                if r["algorithm"] != name:
+                if (r["algorithm"], r.get("seed")) != run:
                     continue
                 for key, tag in TENSORBOARD_TAGS.items():
                     if r.get(key) is not None:
@@ -162,16 +161,20 @@ def write_run(
     command: str,
     task: Any = None,
 ) -> list[Path]:
-    """Write every output file of a run into ``out``; returns their paths. ``entries``
-    are the run's resolved algorithms (`shoal.experiments.algorithms.Entry`); with a
-    ``lamb`` and ``onebit_lamb`` among them, the summary gains `onebit_section` and its
-    plot. A ``task`` with ``corpus_info()`` adds a data section."""
+    """Write every output file of a run into ``out``; returns their paths. ``records``
+    and ``summaries`` are every seed's, each with its ``"seed"`` (one summary per entry
+    and seed): the tables and plots show each entry's mean ± std over its seeds, and
+    ``metrics.jsonl`` keeps every record. ``entries`` are the run's resolved algorithms
+    (`shoal.experiments.algorithms.Entry`, one per label); with a ``lamb`` and
+    ``onebit_lamb`` among them, the summary gains `onebit_section` and its plot. A
+    ``task`` with ``corpus_info()`` adds a data section."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / n for n in ("metrics.jsonl", "metrics.csv", *PLOTS, "summary.md")]
     paths.append(out / "report.md")
     # Wall-clock times go to their own file, so that metrics.jsonl of two runs of one
     # config and seed are byte for byte the same (RELIABILITY.md, determinism).
-    timing = [{k: r[k] for k in ("algorithm", "step", "time_s") if k in r} for r in records]
+    keys = ("algorithm", "seed", "step", "time_s")
+    timing = [{k: r[k] for k in keys if k in r} for r in records]
     records = [metrics_record(r) for r in records]
     write_jsonl(paths[0], records)
     write_csv(paths[1], records)
