@@ -226,10 +226,10 @@ class TaskFields:
     # config and returning a `shoal.experiments.tasks.Task` (`--task`; a config file's
     # get_task(config) sets it). The names `shoal.experiments.tasks.register_task` knows.
     task: str = "mixture"
-    # The seed the bundled tasks draw their data from (None: the run's ``seed``).
+    # The seed the generated data is drawn from (None: the run's ``seed``; lm reads files).
     # ``--seeds`` pins it to the config's, so that every seed trains on the same data from
     # its own initial model and batch order (`Config.seeded`).
-    data_seed: int | None = None
+    data_seed: int | None = for_tasks("mixture", "hmm", "images", default=None)
     # Classes (mixture, images) or hidden states (hmm), and the feature dimension.
     num_classes: int = for_tasks("mixture", "hmm", "images", default=10)
     num_features: int = for_tasks("mixture", "hmm", default=32)
