@@ -213,7 +213,7 @@ def guide(summaries: Sequence[dict[str, Any]]) -> str:
     else:
         text = [f"Against {ref} in this run, 1 seed (within one point of its accuracy "
                 "first, by bytes):", ""]  # fmt: skip
-    text += [f"- {line}" for _, _, line in close]
+    text += [f"- {line}" for _, _, line in close] or ["(none)"]
     if len(close) < len(listed):
         beyond = ", beyond one std" if n > 1 else ""
         text += ["", f"Further than one point below {ref}{beyond}:", ""]
