@@ -12,7 +12,8 @@ its steps::
 
     @register("gtc", GTC, skip_in_place=False, family="compressed")
     def build(p: GTC, ctx: Context) -> optax.GradientTransformation:
-        return optax.chain(shoal.optim.gtc(p.threshold, collective=ctx.comms), p.local.make())
+        gtc = shoal.optim.gtc(p.threshold, collective=ctx.comms)
+        return optax.chain(gtc, p.local.make(ctx.run.steps))
 
 Importing `shoal.experiments.algorithms` imports every such module, so a new algorithm is
 one new file. Its hyper-parameters are set for the whole run with ``--set

@@ -38,4 +38,4 @@ def build(p: BFBAllReduce, ctx: Context) -> optax.GradientTransformation:
         servers=ctx.servers,
         order=order,
     )
-    return optax.chain(reduce, p.local.make())
+    return optax.chain(reduce, p.local.make(ctx.run.steps))

@@ -23,6 +23,7 @@ class BMUF(BlockFields):
 
     def check(self) -> None:
         super().check()
+        self.check_local(self.local)
         check_field(self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
 
     def check_run(self, run) -> None:
@@ -32,7 +33,7 @@ class BMUF(BlockFields):
 @register("bmuf", BMUF, skip_in_place="apply", family="local")
 def build(p: BMUF, ctx: Context) -> optax.GradientTransformation:
     return optim.bmuf(
-        p.local.make(),
+        p.local.make(ctx.run.steps),
         collective=ctx.comms,
         block_size=p.block_size,
         block_lr=p.block_lr,

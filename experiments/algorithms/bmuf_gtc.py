@@ -24,6 +24,7 @@ class BMUFGTC(BlockFields, GTCFields):
 
     def check(self) -> None:
         super().check()
+        self.check_local(self.local)
         check_field(self.group_size >= 1, "group_size", "an int >= 1")
 
     def check_run(self, run) -> None:
@@ -38,7 +39,7 @@ class BMUFGTC(BlockFields, GTCFields):
 def build(p: BMUFGTC, ctx: Context) -> optax.GradientTransformation:
     intra, inter = ctx.comms
     return optim.bmuf_gtc(
-        p.local.make(),
+        p.local.make(ctx.run.steps),
         intra=intra,
         inter=inter,
         block_size=p.block_size,

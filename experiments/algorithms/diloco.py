@@ -29,9 +29,9 @@ class DiLoCo(RoundFields):
 @register("diloco", DiLoCo, skip_in_place="apply", family="local")
 def build(p: DiLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.diloco(
-        p.inner.make(),
+        p.inner.make(ctx.run.steps),
         collective=ctx.comms,
         sync_every=p.sync_every,
-        outer=p.outer.make(),
+        outer=p.outer.make(p.rounds(ctx.run)),
         exchange=p.exchange.make(),
     )

@@ -22,4 +22,4 @@ class GTC(GTCFields):
 @register("gtc", GTC, skip_in_place=False, family="compressed")
 def build(p: GTC, ctx: Context) -> optax.GradientTransformation:
     tx = optim.gtc(p.threshold, collective=ctx.comms, capacity=p.capacity)
-    return optax.chain(tx, p.local.make())
+    return optax.chain(tx, p.local.make(ctx.run.steps))

@@ -23,4 +23,6 @@ class PartialExchange(Hyper):
 
 @register("partial_exchange", PartialExchange, skip_in_place=True, family="local")
 def build(p: PartialExchange, ctx: Context) -> optax.GradientTransformation:
-    return optax.chain(optim.partial_exchange(p.fraction, collective=ctx.comms), p.local.make())
+    return optax.chain(
+        optim.partial_exchange(p.fraction, collective=ctx.comms), p.local.make(ctx.run.steps)
+    )

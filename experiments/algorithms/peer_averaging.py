@@ -32,7 +32,7 @@ class PeerAveraging(Hyper):
 @register("peer_averaging", PeerAveraging, skip_in_place="apply", family="local")
 def build(p: PeerAveraging, ctx: Context) -> optax.GradientTransformation:
     return optim.peer_averaging(
-        p.local.make(),
+        p.local.make(ctx.run.steps),
         collective=ctx.comms,
         strategy=p.strategy,
         staleness=p.staleness,

@@ -24,4 +24,4 @@ class PowerSGD(Hyper):
 @register("powersgd", PowerSGD, skip_in_place=None, family="compressed")
 def build(p: PowerSGD, ctx: Context) -> optax.GradientTransformation:
     tx = optim.powersgd(p.rank, collective=ctx.comms, start_step=p.start_step, seed=ctx.run.seed)
-    return optax.chain(tx, p.local.make())
+    return optax.chain(tx, p.local.make(ctx.run.steps))

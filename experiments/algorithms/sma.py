@@ -22,4 +22,4 @@ class SMA(Hyper):
 
 @register("sma", SMA, skip_in_place="apply", family="local")
 def build(p: SMA, ctx: Context) -> optax.GradientTransformation:
-    return optim.sma(p.local.make(), collective=ctx.comms, alpha=p.alpha)
+    return optim.sma(p.local.make(ctx.run.steps), collective=ctx.comms, alpha=p.alpha)

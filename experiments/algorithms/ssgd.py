@@ -21,4 +21,4 @@ class SSGD(Hyper):
 
 @register("ssgd", SSGD, skip_in_place=None, family="dense", reference=True)
 def build(p: SSGD, ctx: Context) -> optax.GradientTransformation:
-    return optax.chain(optim.allreduce_gradients(collective=ctx.comms), p.local.make())
+    return optax.chain(optim.allreduce_gradients(collective=ctx.comms), p.local.make(ctx.run.steps))

@@ -22,4 +22,4 @@ class SSGDAdamW(Hyper):
 
 @register("ssgd_adamw", SSGDAdamW, skip_in_place=None, family="dense")
 def build(p: SSGDAdamW, ctx: Context) -> optax.GradientTransformation:
-    return optax.chain(optim.allreduce_gradients(collective=ctx.comms), p.adamw.make())
+    return optax.chain(optim.allreduce_gradients(collective=ctx.comms), p.adamw.make(ctx.run.steps))

@@ -25,4 +25,4 @@ def build(p: SSGDNoise, ctx: Context) -> optax.GradientTransformation:
     monitor = optim.gradient_noise_scale(
         collective=ctx.comms, local_batch_size=ctx.run.batch_size, ema=p.ema
     )
-    return optax.chain(monitor, p.local.make())
+    return optax.chain(monitor, p.local.make(ctx.run.steps))

@@ -38,10 +38,10 @@ class StreamingDiLoCo(RoundFields):
 @register("streaming_diloco", StreamingDiLoCo, skip_in_place=None, family="local")
 def build(p: StreamingDiLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.streaming_diloco(
-        p.inner.make(),
+        p.inner.make(ctx.run.steps),
         collective=ctx.comms,
         sync_every=p.sync_every,
-        outer=p.outer.make(),
+        outer=p.outer.make(p.rounds(ctx.run)),
         num_fragments=p.fragments,
         overlap=p.overlap,
         mix=p.mix,

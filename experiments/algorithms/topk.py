@@ -26,4 +26,4 @@ def build(p: TopKSGD, ctx: Context) -> optax.GradientTransformation:
         chunk_size=p.chunk_size,
         value_bits=p.value_bits or None,
     )
-    return optax.chain(tx, p.local.make())
+    return optax.chain(tx, p.local.make(ctx.run.steps))
