@@ -36,11 +36,11 @@ test: test-sim-nb test-mpi
 test-sim: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
 
-# The notebooks, executed top to bottom at a reduced size. The committed .ipynb only: their
-# .py sources are not tests (tests/test_notebooks_sync.py checks that the two agree).
-# Their kernels compile with the tests' XLA flags (TEST_XLA_FLAGS in tests/conftest.py).
-NB := SHOAL_NOTEBOOK_SMALL=1 \
-	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# The notebooks, executed top to bottom as a user runs them (one size each, chosen to run in
+# about a minute or less). The committed .ipynb only: their .py sources are not tests
+# (tests/test_notebooks_sync.py checks that the two agree). Their kernels compile with the
+# tests' XLA flags (TEST_XLA_FLAGS in tests/conftest.py).
+NB := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 test-nb: $(STAMP)
 	$(NB) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks/*.ipynb
 

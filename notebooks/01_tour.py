@@ -13,8 +13,6 @@
 # (`shoal.comms.wire_bytes`).
 
 # %%
-import os
-
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -26,9 +24,8 @@ from shoal.experiments.config import Config
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import allreduce_gradients, bmuf, gtc, onebit_lamb
 
-SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer workers and steps
-N = 4 if SMALL else 8  # simulated workers
-STEPS = 60 if SMALL else 200  # a multiple of BMUF's block size (10)
+N = 8  # simulated workers
+STEPS = 200  # a multiple of BMUF's block size (10)
 FREEZE = round(0.15 * STEPS)  # 1-bit LAMB's warm-up steps
 print(f"{N} workers, {STEPS} steps; jax {jax.__version__} on {jax.devices()[0].platform}")
 

@@ -18,8 +18,6 @@
 # scales, the factors, and the error feedback.
 
 # %%
-import os
-
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -31,9 +29,8 @@ from shoal.experiments.config import Config
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import onebit_lamb, onebit_moments
 
-SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer workers and steps
-N = 4 if SMALL else 8  # simulated workers
-STEPS = 80 if SMALL else 300
+N = 8  # simulated workers
+STEPS = 300
 FREEZE = round(0.15 * STEPS)  # T_w
 B1 = 0.9  # onebit_lamb's default beta_1
 coll = AxisCollective("workers", N)
@@ -53,7 +50,7 @@ print(f"{N} workers, {STEPS} steps, warm-up {FREEZE} steps")
 # (errors reset to zero) stays as wrong as the first.
 
 # %%
-n, calls = 1024, 10 if SMALL else 100
+n, calls = 1024, 100
 xs = jax.random.normal(jax.random.key(0), (N, n)) * jnp.linspace(0.1, 2.0, n) + 0.2
 exact = np.asarray(xs.mean(0))
 codec = OneBit()

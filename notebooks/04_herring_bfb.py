@@ -16,7 +16,6 @@
 
 # %%
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +28,8 @@ from shoal.experiments.configs import herring_table3 as table3
 from shoal.experiments.tasks import bert
 from shoal.optim import bfb_allreduce
 
-SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer simulated workers
 SERVERS = 8  # for the layout pictures
-N = 4 if SMALL else 8  # simulated workers of the last section
+N = 8  # simulated workers of the last section
 MIB = 2**20
 
 # %%

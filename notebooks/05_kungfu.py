@@ -18,7 +18,6 @@
 
 # %%
 import dataclasses
-import os
 
 import jax
 import matplotlib.pyplot as plt
@@ -31,9 +30,8 @@ from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task
 from shoal.optim.helpers import peer_permutation, pgx_partition
 
-SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer workers and steps
-WORKERS = 4 if SMALL else 8
-STEPS = 60 if SMALL else 300
+WORKERS = 8
+STEPS = 150
 cfg = load_config("kungfu")  # a CNN on generated 16x16 glyph images
 # The adaptive algorithm's own hyper-parameters: its policy may act from step STEPS // 3.
 adaptive = dataclasses.replace(cfg.params["adaptive"], after=STEPS // 3)
@@ -42,7 +40,6 @@ cfg = dataclasses.replace(
     workers=WORKERS,
     steps=STEPS,
     eval_every=STEPS // 6,
-    train_size=4096 if SMALL else cfg.train_size,
     params={**cfg.params, "adaptive": adaptive},
 )
 task = make_task(cfg)
@@ -123,17 +120,16 @@ plt.show()
 # wire). The adaptive run asks its policy every `every` steps from `after` on (its own
 # hyper-parameters, `cfg.params["adaptive"]`) whether the median noise scale of the last
 # steps passed its `threshold`; the step where it switched is logged in the records
-# (`"policy"`). The full config's threshold (150) comes from an S-SGD run of it; the SMALL
-# run is too short for that, so there we take the median estimate after `after` of the
-# S-SGD run. Until it switches, the adaptive run is that S-SGD run, bit for bit.
+# (`"policy"`). The config's threshold (150) comes from an S-SGD run of its 300 steps;
+# this run is half as long, so we take the median estimate of the S-SGD run after `after`
+# as the threshold. Until it switches, the adaptive run is that S-SGD run, bit for bit.
 
 # %%
 backend = SimBackend(WORKERS)
 runs = {"ssgd_noise": train(cfg, task, backend, "ssgd_noise", progress=False)}
-if SMALL:
-    late = [r["noise_scale"] for r in runs["ssgd_noise"].records[adaptive.after :]]
-    adaptive = dataclasses.replace(adaptive, threshold=float(np.median(late)))
-    cfg = dataclasses.replace(cfg, params={**cfg.params, "adaptive": adaptive})
+late = [r["noise_scale"] for r in runs["ssgd_noise"].records[adaptive.after :]]
+adaptive = dataclasses.replace(adaptive, threshold=float(np.median(late)))
+cfg = dataclasses.replace(cfg, params={**cfg.params, "adaptive": adaptive})
 # When would the policy switch, judged on the S-SGD records?
 asks = range(adaptive.every, STEPS, adaptive.every)
 records = runs["ssgd_noise"].records
@@ -142,16 +138,14 @@ predicted = next(
 )
 print(f"noise threshold {adaptive.threshold:.0f}; switch predicted at step {predicted}")
 
-algorithms = ["partial_exchange[fraction=0.3]", "peer_averaging[strategy=round_robin]", "adaptive"]
-if not SMALL:
-    algorithms = [
-        "partial_exchange[fraction=0.3]",
-        "partial_exchange[fraction=0.1]",
-        "peer_averaging[strategy=round_robin]",
-        "peer_averaging[strategy=random]",
-        "sma",
-        "adaptive",
-    ]
+algorithms = [
+    "partial_exchange[fraction=0.3]",
+    "partial_exchange[fraction=0.1]",
+    "peer_averaging[strategy=round_robin]",
+    "peer_averaging[strategy=random]",
+    "sma",
+    "adaptive",
+]
 for entry in algorithms:
     runs[entry] = train(cfg, task, backend, entry, progress=False)
 switched = [r["step"] for r in runs["adaptive"].records if "policy" in r]

@@ -7,31 +7,46 @@
 # `record_events` replays a transformation's steps for any number of workers with a
 # recording stand-in collective and returns each step's collectives (kind, group, bytes),
 # counting only the `lax.cond` / `lax.switch` branches taken; `step_comm_time` times them on
-# a `Cluster` preset. Here: every quickstart algorithm, 8 to 512 workers, on 8 x V100 nodes
-# with 25 Gbps between nodes, for the quickstart MLP and for a model of BERT-large's size.
+# a `Cluster` preset. Here: ten of the quickstart's algorithms, one of each kind of
+# exchange, on 8 to 512 workers of 8 x V100 nodes with 25 Gbps between nodes, for the
+# quickstart MLP and for a model of BERT-large's size. (The quickstart's other entries
+# repeat one of these patterns: LAMB, SMA and BFB all-reduce every step as S-SGD does,
+# DiLoCo and MuLoCo once per round as BMUF, top-k all-gathers as GTC.)
 
 # %%
-import os
+import dataclasses
 
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from shoal.comms import record_events
+from shoal.comms import OneBit, record_events
 from shoal.costmodel import Cluster, step_comm_time
 from shoal.experiments import algorithms
 from shoal.experiments.overrides import load_config
 from shoal.experiments.tasks import make_task
 
-SMALL = os.environ.get("SHOAL_NOTEBOOK_SMALL") == "1"  # CI: fewer sizes and steps
 PRESET = "v100-nvlink-25gbps"
-SIZES = [8, 64] if SMALL else [8, 16, 32, 64, 128, 256, 512]
-STEPS = 20 if SMALL else 100
+SIZES = [8, 32, 128, 512]  # each size is one compile per algorithm
+STEPS = 100
 cfg = load_config("quickstart")
-cfg = cfg.__class__(**{**cfg.__dict__, "steps": STEPS})
+# record_events never draws a batch, but a config must hold one global batch per step.
+cfg = dataclasses.replace(cfg, steps=STEPS, train_size=max(SIZES) * cfg.batch_size)
 task = make_task(cfg)
 params = task.init_params()
-NAMES = [a for a in cfg.algorithms]
+# Each algorithm and size is one compile of the replay: ten algorithms, not all seventeen.
+NAMES = [
+    "ssgd",  # a float32 all-reduce every step
+    "onebit_lamb",  # dense during the warm-up, then signs
+    "powersgd",  # two small all-reduces of low-rank factors
+    "gtc",  # an all-gather of a fixed share of the gradient
+    "demo",  # an all-gather of DCT components
+    "partial_exchange",  # an all-reduce of part of the gradient
+    "peer_averaging",  # one model to one peer
+    "bmuf",  # an all-reduce of the model every 10 steps
+    "streaming_diloco",  # the same, a quarter of the model at a time
+    "bmuf_gtc",  # GTC inside groups of 4, BMUF across them
+]
 
 # %% [markdown]
 # ## Per-step communication of each algorithm
@@ -70,7 +85,10 @@ def comm_ms(steps, group, workers, scale=1.0):
 
 
 def plot_ms(ms, title):
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    print(f"{'ms per step':>16}" + "".join(f"{w:>9}" for w in SIZES) + " workers")
+    for n in NAMES:
+        print(f"{n:>16}" + "".join(f"{v:9.3g}" for v in ms[n]))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     for n in NAMES:
         ax.plot(SIZES, ms[n], marker="o", label=n)
     ax.set(
@@ -80,7 +98,7 @@ def plot_ms(ms, title):
         ylabel="projected communication ms / step",
         title=title,
     )
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1, 0.5))
     ax.grid(True, which="both", alpha=0.3)
 
 
@@ -90,10 +108,14 @@ plot_ms(small, "quickstart MLP (27 KB)")
 
 # %% [markdown]
 # The quickstart model is 27 KB: every message is tiny and the latency terms dominate. A
-# ring all-reduce pays `2 (p-1)` hops whatever the payload, so S-SGD, 1-bit LAMB, BFB and
-# PGX cost about the same and grow linearly with `p`; what helps is talking less often
-# (BMUF: once per block) or to fewer peers (peer averaging: one message per step), and
-# keeping the frequent exchange inside a node (BMUF_GTC).
+# ring all-reduce pays `2 (p-1)` hops whatever the payload, so S-SGD, 1-bit LAMB and
+# partial exchange cost the same and grow linearly with `p` (0.09 ms at 8 workers, 31 ms
+# at 512); PowerSGD, with two all-reduces a step, costs twice that, and the all-gathers of
+# GTC and DeMo (`p - 1` hops) half. What helps is talking less often (BMUF: once per
+# block, about a tenth of S-SGD), to fewer peers (peer averaging: one message per step,
+# nearly flat in `p`), and keeping the frequent exchange inside a node (BMUF_GTC, the
+# cheapest from 128 workers on). Streaming DiLoCo pays the latency of each of its four
+# fragments, about three times BMUF.
 #
 # ## A model of BERT-large's size
 #
@@ -109,8 +131,29 @@ big = {n: [comm_ms(*recorded[n, w], w, scale) for w in SIZES] for n in NAMES}
 plot_ms(big, "the same, 340M parameters")
 
 # %% [markdown]
-# At this scale on 25 Gbps links an S-SGD all-reduce takes about a second per step; 1-bit
-# LAMB's compressed stage, GTC's sparse exchange and BMUF's block steps cut it by the
-# factors their bytes suggest. The model ignores overlap of communication with the backward
-# pass and network contention: read it as a ranking and an order of magnitude, validated
-# against two papers' measurements in `experiments/configs/costmodel_validation.py`.
+# One exception to the proportion: 1-bit LAMB pads its buffer so that every worker owns a
+# whole number of 32-bit words of signs. For the 6922-parameter MLP on 512 workers that
+# padding is most of the buffer, and scaling it up overstates the bytes of a 340M model:
+
+# %%
+n_small = sum(np.size(x) for x in jax.tree.leaves(params))
+for w in SIZES:
+    recorded_bytes = OneBit().wire_bytes(n_small, w)[0] * scale
+    real_bytes = OneBit().wire_bytes(340_000_000, w)[0]
+    print(
+        f"{w:4d} workers: padded to {OneBit().padded_size(n_small, w):6d} values; compressed "
+        f"stage {recorded_bytes / 1e6:7.1f} MB scaled, {real_bytes / 1e6:5.1f} MB at 340M"
+    )
+
+# %% [markdown]
+# At this scale on 25 Gbps links an S-SGD all-reduce takes about 0.9 s per step from 32
+# workers on (bandwidth-bound, nearly flat in `p`). BMUF and Streaming DiLoCo cut it
+# about tenfold (an all-reduce every 10 steps; the streaming one in quarters), PowerSGD
+# to 0.2-0.3 s, BMUF_GTC, peer averaging and partial exchange to about 0.35-0.47 s. The
+# all-gathers grow with `p` instead: GTC passes S-SGD at 32 workers and DeMo between 32
+# and 128, each ten or more times S-SGD's time at 512. 1-bit LAMB sits at 0.25-0.45 s up
+# to 128 workers; its point at 512 is the padding above, scaled (at 340M it would send
+# about what it sends at 128). The model ignores overlap of communication with the
+# backward pass and network contention: read it as a ranking and an order of magnitude,
+# validated against two papers' measurements in
+# `experiments/configs/costmodel_validation.py`.

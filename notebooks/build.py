@@ -5,8 +5,8 @@ cells), so ruff lints and formats the notebooks' code like the rest of the proje
 source, then run ``make notebooks`` (or ``.venv/bin/python notebooks/build.py``). The
 .ipynb, what a user opens in Jupyter, are committed with empty outputs;
 ``tests/test_notebooks_sync.py`` fails when one differs from what its source builds. CI
-executes them (``make test-nb``) with ``SHOAL_NOTEBOOK_SMALL=1``, which every notebook reads
-in its first code cell to shrink workers and steps.
+executes them top to bottom as they are (``make test-nb``): each has one size, small enough
+to run in about a minute.
 """
 
 from __future__ import annotations
