@@ -28,7 +28,7 @@ from shoal.experiments.overrides import load_config
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task
-from shoal.optim.helpers import peer_permutation, pgx_partition
+from shoal.optim.helpers import partial_exchange_bins, peer_permutation
 
 WORKERS = 8
 STEPS = 150
@@ -51,7 +51,7 @@ print(
 # %% [markdown]
 # ## PGX bins
 #
-# `pgx_partition(params, f)` shows the bins `partial_exchange(f, ...)` will use: first-fit
+# `partial_exchange_bins(params, f)` shows the bins `partial_exchange(f, ...)` will use: first-fit
 # decreasing by bytes, capacity $\lfloor f B\rfloor$. The CNN's hidden layer is stored as
 # 16 column blocks so that no leaf exceeds 10% of the gradient (a bin must hold the largest
 # leaf). One bar per bin, stacked by leaf; the dashed line is the capacity.
@@ -69,7 +69,7 @@ def color(path):
 fractions = (1.0, 0.3, 0.1)
 fig, axes = plt.subplots(1, 3, figsize=(15, 3.6), gridspec_kw={"width_ratios": [1, 2, 4]})
 for ax, f in zip(axes, fractions):
-    bins = pgx_partition(params, f)
+    bins = partial_exchange_bins(params, f)
     for b, paths in enumerate(bins):
         bottom = 0
         for path in sorted(paths, key=lambda p: -size[p]):

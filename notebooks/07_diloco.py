@@ -46,7 +46,7 @@ from shoal.comms import AxisCollective, Quantized, wire_bytes
 from shoal.comms.wire import all_reduce_bytes
 from shoal.experiments.tasks.lm import load_corpus, windows
 from shoal.optim import allreduce_gradients, diloco, streaming_diloco, update_and_apply
-from shoal.optim._streaming_diloco import split_fragments
+from shoal.optim.helpers import split_fragments
 from shoal.optim.readouts import evaluation_params
 
 N = 4  # simulated workers

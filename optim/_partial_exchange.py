@@ -39,7 +39,7 @@ from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim._inplace import switch_inplace
 from shoal.optim._validation import check_collective, checked
 
-__all__ = ["PartialExchangeState", "partial_exchange", "pgx_partition"]
+__all__ = ["PartialExchangeState", "partial_exchange", "partial_exchange_bins"]
 
 
 class PartialExchangeState(NamedTuple):
@@ -51,7 +51,7 @@ class PartialExchangeState(NamedTuple):
         -1 after init. Segments are numbered in order of their start step (the implicit
         ``budget_fraction`` segment first when the schedule has no key 0) and bin ``b`` of
         segment ``k`` is ``P_0 + ... + P_{k-1} + b``; with no schedule it is just the bin.
-        `pgx_partition` gives each segment's bins.
+        `partial_exchange_bins` gives each segment's bins.
       fraction: float32 budget fraction active at the most recent update (after init: the
         one step 0 will use).
       wire: bytes of the most recent update (the exchanged bin's ring all-reduce) and
@@ -77,7 +77,7 @@ def partial_exchange(
     bytes, by first-fit decreasing: leaves sorted by bytes, largest first (ties in
     ``jax.tree.leaves`` order), each put into the first bin with room, else into a new bin.
     Step ``t`` all-reduces bin ``t mod P`` (one ``collective.all_reduce(..., op="mean")``
-    of its leaves) and leaves the rest local. `pgx_partition` shows the layout.
+    of its leaves) and leaves the rest local. `partial_exchange_bins` shows the layout.
 
     We average (``op="mean"``), so an exchanged leaf is on the scale of the local ones
     and any optax optimizer chained after sees gradients of one magnitude; the thesis's
@@ -207,7 +207,7 @@ def partial_exchange(
     )
 
 
-def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], ...]:
+def partial_exchange_bins(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], ...]:
     """The bins `partial_exchange` packs ``tree``'s leaves into at ``budget_fraction``.
 
     Bin ``b`` is exchanged at steps ``t`` with ``t mod P == b`` (``P`` the number of bins);
@@ -225,9 +225,9 @@ def pgx_partition(tree: Any, budget_fraction: float) -> tuple[tuple[str, ...], .
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from shoal.optim.helpers import pgx_partition
+      >>> from shoal.optim.helpers import partial_exchange_bins
       >>> tree = {"w": jnp.zeros((6,)), "b": jnp.zeros((2,)), "c": jnp.zeros((4,))}
-      >>> pgx_partition(tree, 0.5)
+      >>> partial_exchange_bins(tree, 0.5)
       (("['w']",), ("['b']", "['c']"))
 
     References:

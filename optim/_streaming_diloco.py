@@ -102,7 +102,7 @@ def split_fragments(params: Any, num_fragments: int) -> tuple[tuple[int, ...], .
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from shoal.optim._streaming_diloco import split_fragments
+      >>> from shoal.optim.helpers import split_fragments
       >>> params = {"a": jnp.zeros(8), "b": jnp.zeros(2), "c": jnp.zeros(4), "d": jnp.zeros(4)}
       >>> split_fragments(params, 3)
       ((0,), (1,), (2, 3))

@@ -1,7 +1,8 @@
 """Helpers that read or plan what a transformation does, beside the factories of
 `shoal.optim`: the gradient noise scale of a monitor's state, the peers of a step of peer
-averaging, the bins of partial exchange, the error ``nonfinite="raise"`` raised inside
-a compiled step, and the check that every worker starts from the same model.
+averaging, the bins of partial exchange, Streaming DiLoCo's fragments, the error
+``nonfinite="raise"`` raised inside a compiled step, and the check that every worker
+starts from the same model.
 
 Example:
   >>> from shoal.optim.helpers import peer_permutation
@@ -11,16 +12,18 @@ Example:
 
 from shoal.optim._noise_scale import noise_scale
 from shoal.optim._nonfinite import take_raised
-from shoal.optim._partial_exchange import pgx_partition
+from shoal.optim._partial_exchange import partial_exchange_bins
 from shoal.optim._peer_averaging import peer_permutation
 from shoal.optim._same_model import SameModelCheck, check_same_model, same_model_check
+from shoal.optim._streaming_diloco import split_fragments
 
 __all__ = [
     "SameModelCheck",
     "check_same_model",
     "noise_scale",
     "peer_permutation",
-    "pgx_partition",
+    "partial_exchange_bins",
     "same_model_check",
+    "split_fragments",
     "take_raised",
 ]

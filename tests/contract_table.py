@@ -312,7 +312,7 @@ TABLE: dict[str, Row] = {row.name: row for row in ROWS}
 def public_factories() -> set[str]:
     """The names in ``shoal.optim.__all__`` of functions annotated to return an optax
     transformation: the factories that must have a row (the other exported functions,
-    ``noise_scale``, ``pgx_partition``, ``update_and_apply``..., read or run one)."""
+    ``noise_scale``, ``partial_exchange_bins``, ``update_and_apply``..., read or run one)."""
     out = set()
     for name in optim.__all__:
         obj = getattr(optim, name)

@@ -19,7 +19,7 @@ def test_every_public_factory_has_a_row():
 def test_every_exported_function_says_what_it_returns():
     # The table's completeness rests on return annotations: a factory is an exported
     # function annotated to return a GradientTransformation, the rest (noise_scale,
-    # pgx_partition, update_and_apply...) read or run one. An unannotated function could
+    # partial_exchange_bins, update_and_apply...) read or run one. An unannotated function could
     # be a factory without a row.
     for name in public_factories() | public_helpers():
         returns = inspect.signature(getattr(optim, name)).return_annotation

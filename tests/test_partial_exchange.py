@@ -13,7 +13,7 @@ from harness import UNDER_MPI, my_ranks, n_workers, run_workers, world
 
 from shoal.comms import AxisCollective, wire_bytes
 from shoal.optim import PartialExchangeState, allreduce_gradients, partial_exchange
-from shoal.optim.helpers import pgx_partition
+from shoal.optim.helpers import partial_exchange_bins
 
 N = n_workers()
 
@@ -87,35 +87,37 @@ def test_first_fit_decreasing_packing():
     # Total 150, budget 0.4: capacity 60. Sorted: b40 c30 f30 d20 e20 a10 (ties in leaf
     # order). b -> bin 0; c -> bin 1 (70 > 60 in bin 0); f -> bin 1 (60); d -> bin 0 (60);
     # e -> bin 2; a -> bin 2 (30). Within a bin, paths are in leaf order.
-    assert pgx_partition(tree, 0.4) == (
+    assert partial_exchange_bins(tree, 0.4) == (
         ("['b']", "['d']['x']"),
         ("['c']", "['f']"),
         ("['a']", "['e']"),
     )
     # Budget 1: one bin with every leaf.
-    assert pgx_partition(tree, 1.0) == (
+    assert partial_exchange_bins(tree, 1.0) == (
         ("['a']", "['b']", "['c']", "['d']['x']", "['e']", "['f']"),
     )
     # Budget 0.5: capacity 75. b -> bin 0; c -> bin 0 (70); f -> bin 1 (100 > 75);
     # d -> bin 1 (50); e -> bin 1 (70); a fits neither (80, 80) -> bin 2.
-    assert pgx_partition(tree, 0.5) == (
+    assert partial_exchange_bins(tree, 0.5) == (
         ("['b']", "['c']"),
         ("['d']['x']", "['e']", "['f']"),
         ("['a']",),
     )
     arrays = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-    assert pgx_partition(arrays, 0.4) == tuple(tuple(f"['{k}']" for k in b) for b in BINS_04)
+    assert partial_exchange_bins(arrays, 0.4) == tuple(
+        tuple(f"['{k}']" for k in b) for b in BINS_04
+    )
 
 
 def test_too_small_budget_names_the_smallest_fraction():
     tree = {"big": jnp.zeros(10), "small": jnp.zeros((5,))}  # 40 of 60 bytes
     with pytest.raises(ValueError, match=r"budget_fraction.*\['big'\] has 40 bytes") as e:
-        pgx_partition(tree, 0.5)  # capacity 30
+        partial_exchange_bins(tree, 0.5)  # capacity 30
     named = float(re.search(r"smallest fraction that fits it is ([0-9.e-]+)", str(e.value))[1])
     assert named == pytest.approx(40 / 60, rel=1e-15)
-    assert pgx_partition(tree, named) == (("['big']",), ("['small']",))
+    assert partial_exchange_bins(tree, named) == (("['big']",), ("['small']",))
     with pytest.raises(ValueError):
-        pgx_partition(tree, math.nextafter(named, 0.0))
+        partial_exchange_bins(tree, math.nextafter(named, 0.0))
 
 
 def test_too_small_budget_raises_at_update_naming_the_schedule_entry():
@@ -254,7 +256,7 @@ def test_bad_budget_fraction(bad):
     with pytest.raises(ValueError, match="budget_fraction"):
         partial_exchange(bad, collective=coll)
     with pytest.raises(ValueError, match="budget_fraction"):
-        pgx_partition({"a": jnp.zeros(3)}, bad)
+        partial_exchange_bins({"a": jnp.zeros(3)}, bad)
 
 
 @pytest.mark.parametrize(

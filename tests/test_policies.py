@@ -17,7 +17,7 @@ from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import carry_state, train
 from shoal.experiments.tasks import GaussianMixtureTask
 from shoal.optim import gradient_noise_scale, partial_exchange
-from shoal.optim.helpers import pgx_partition
+from shoal.optim.helpers import partial_exchange_bins
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process runner tests")
 
@@ -78,7 +78,7 @@ def test_runner_switches_from_full_to_partial_exchange():
     # The gradient and its squared norm; every step also the non-finite flag (one int32).
     flag = 2 * (WORKERS - 1) * 4 // WORKERS
     full = 2 * (WORKERS - 1) * (n + 4) // WORKERS + flag
-    bins = pgx_partition(params0, p.fraction)
+    bins = partial_exchange_bins(params0, p.fraction)
     leaf_bytes = {
         jax.tree_util.keystr(k): v.size * 4 for k, v in jax.tree_util.tree_leaves_with_path(params0)
     }

@@ -11,7 +11,7 @@ from shoal.experiments.config import ConfigError
 from shoal.experiments.overrides import apply_overrides, load_config
 from shoal.experiments.runner.projection import project_run
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.optim.helpers import pgx_partition
+from shoal.optim.helpers import partial_exchange_bins
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="single-process projection")
 
@@ -54,7 +54,7 @@ def test_policy_changes_apply_from_the_next_step():
     cfg = apply_overrides(CFG, ["adaptive.fraction=0.6"])
     got = project_run(cfg, "adaptive", TASK, [(5, {"sync": "partial"})])
     sizes = _leaf_bytes()
-    bins = [sum(sizes[p] for p in b) for b in pgx_partition(TASK.init_params(), 0.6)]
+    bins = [sum(sizes[p] for p in b) for b in partial_exchange_bins(TASK.init_params(), 0.6)]
     part = [step_comm_time([Event("all_reduce", "world", bins[t % 2])], CLUSTER) for t in
             range(15)]  # fmt: skip
     # The noise scale's squared norm rides in the gradient's all-reduce.

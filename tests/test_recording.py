@@ -17,7 +17,7 @@ from shoal.optim import (
     partial_exchange,
     skip_nonfinite,
 )
-from shoal.optim.helpers import pgx_partition
+from shoal.optim.helpers import partial_exchange_bins
 
 pytestmark = pytest.mark.skipif(UNDER_MPI, reason="single-process recording")
 
@@ -54,7 +54,7 @@ def test_pgx_cycles_its_bins():
     events = record_events(
         lambda c: partial_exchange(fraction, collective=c), PARAMS, workers=8, steps=4
     )
-    bins = pgx_partition(PARAMS, fraction)  # first fit decreasing: b + c (88 B), then a
+    bins = partial_exchange_bins(PARAMS, fraction)  # first fit decreasing: b + c (88 B), then a
     sizes = {"['a']": 40, "['b']": 80, "['c']": 8}
     per_bin = [sum(sizes[p] for p in b) for b in bins]
     assert per_bin == [88, 40]
