@@ -188,7 +188,7 @@ def test_readme_parameter_servers_example_runs_under_mpiexec(tmp_path):
 
 # Files the runner writes (the README names them, a clone does not hold them), and the
 # placeholder of the runner's usage line.
-GENERATED = ("runs/", "metrics.jsonl", "timing.jsonl", "summary.md", "report.md")
+GENERATED = ("runs/", "metrics.jsonl", "timing.jsonl", "sweep.jsonl", "summary.md", "report.md")
 PLACEHOLDERS = {"CONFIG.py"}
 PATH_LIKE = re.compile(r"[\w.\-/]+")
 FILE_EXT = re.compile(r"\.(py|md|sh|toml|ipynb|txt|json|jsonl|csv|cfg|ya?ml)$")

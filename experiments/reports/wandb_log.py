@@ -97,8 +97,8 @@ def write_wandb(
     """Log ``records`` to wandb, one run per algorithm entry (and seed), written under
     ``out/wandb/``; returns that folder.
 
-    A run is named after its entry (``gtc``), or ``gtc/seed1`` when the records carry
-    seeds; its config is `run_config`, its history `scalars` at each record's step.
+    A run is named after its entry (``gtc``), or ``gtc/seed1`` when the records hold
+    several seeds; its config is `run_config`, its history `scalars` at each record's step.
     ``entries`` are the resolved entries (`shoal.experiments.algorithms.Entry`); one not
     among them is resolved from ``cfg``.
 
@@ -129,7 +129,7 @@ def write_wandb(
         x_disable_machine_info=True,
     )
     by_label = {e.label: e for e in entries}
-    seeded = any("seed" in r for r in records)
+    seeded = len({r.get("seed") for r in records}) > 1  # several seeds: name each run's
     users_run = wandb.run is not None  # the caller's own run, which must live on
     # wandb sends its own errors to its servers unless told not to; its service process
     # reads the variable when it starts.
