@@ -396,6 +396,14 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     count = None  # parameters x workers of this process, once the model is built
     try:
         log = MetricsLog(out / "metrics.jsonl") if is_root else None
+        first = make_task(seeds[0][1])
+        try:
+            check_task(first, cfg.task)
+        except TypeError as e:  # the same on every process
+            return _error(str(e), 2) if is_root else 2
+        count = num_parameters(first.init_params()) * len(backend.local_ranks)
+        if args.backend == "sim" and args.reexec:  # too large to keep the heap? (malloc)
+            restart_simulated(count, "shoal-run")  # before any training, the sweep's too
         if args.sweep is not None:
             key, values = args.sweep
             labels, rows, tune_cfg = sweep.tune(
@@ -411,16 +419,8 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
                 write_jsonl(out / "sweep.jsonl", rows)
         results = []
         budget = args.stop_after
-        for seed, run_cfg in seeds:
-            task = make_task(run_cfg)
-            if count is None:
-                try:
-                    check_task(task, cfg.task)
-                except TypeError as e:  # the same on every process
-                    return _error(str(e), 2) if is_root else 2
-                count = num_parameters(task.init_params()) * len(backend.local_ranks)
-                if args.backend == "sim" and args.reexec:  # too large to keep the heap?
-                    restart_simulated(count, "shoal-run")
+        for i, (seed, run_cfg) in enumerate(seeds):
+            task = first if i == 0 else make_task(run_cfg)
             if several and is_root:
                 print(f"seed {seed}:")
             for entry in entries:
