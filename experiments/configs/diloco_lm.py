@@ -1,5 +1,5 @@
 """DiLoCo and Streaming DiLoCo against S-SGD with AdamW on the byte-level LM, 8 simulated
-workers, the same tokens for every entry (about 10 minutes on 2 CPU cores).
+workers, the same tokens for every entry (about 5 minutes a seed on 2 CPU cores).
 
 Run with ``shoal-run experiments/configs/diloco_lm.py``. Task (`shoal.experiments.tasks.lm`):
 next-byte prediction on the running Python's standard library source (nothing is
