@@ -13,7 +13,10 @@ entry, so the chosen run's label says what it trained with::
 
 trains ``gtc[local.learning_rate=0.3]`` (say) on seeds 0, 1 and 2 after the sweep. The
 sweep runs on the first seed, for ``--sweep-fraction`` of the run's steps (shortened to
-the nearest horizon every entry accepts, e.g. a whole number of BMUF blocks).
+the nearest horizon every entry accepts, e.g. a whole number of BMUF blocks). A shortened
+run is biased towards rates that fall fast early, and it shortens whatever is a fraction
+of the run (1-bit LAMB's freeze step, a cosine decay's horizon): ``--sweep-fraction 1``
+tunes the run itself.
 """
 
 from __future__ import annotations
