@@ -388,9 +388,10 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
         return _error(problem, 2) if is_root else 2
     if args.overwrite:  # the replaced run's checkpoints must not be resumed later
         for e in entries:
-            Checkpointer(out / "checkpoints", e.label, cfg, backend).remove()
             for _, run_cfg in seeds:
                 checkpointer(run_cfg, e).remove()
+            if several:  # a single-seed run's layout, in the same folder before
+                Checkpointer(out / "checkpoints", e.label, cfg, backend).remove()
     log = None
     tuning = ""  # the report's section on the sweep (--sweep)
     count = None  # parameters x workers of this process, once the model is built

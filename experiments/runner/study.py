@@ -20,7 +20,6 @@ batch order on the same data (`Config.seeded`), and the tables show mean ± std 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.reports.files import json_line
+from shoal.experiments.reports.seeds import spread
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import check_grad_chunk, train
 from shoal.experiments.tasks import make_task
@@ -202,11 +202,10 @@ def over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(runs[0])
     for k, v in runs[0].items():
         if isinstance(v, float):  # the ints (workers, steps, seed) are the run's own
-            out[k] = statistics.fmean(r[k] for r in runs)
+            out[k] = spread([r[k] for r in runs]).mean
     out.pop("seed", None)
-    out["seeds"] = len(runs)
-    errors = [r["test_error"] for r in runs]
-    out["test_error_std"] = statistics.stdev(errors) if len(errors) > 1 else 0.0
+    error = spread([r["test_error"] for r in runs])
+    out["seeds"], out["test_error_std"] = error.n, error.std or 0.0
     return out
 
 
