@@ -39,8 +39,8 @@ test-sim: $(STAMP)
 # The notebooks, executed top to bottom as a user runs them (one size each, chosen to run in
 # about a minute or less). The committed .ipynb only: their .py sources are not tests
 # (tests/test_notebooks_sync.py checks that the two agree). Their kernels compile with the
-# tests' XLA flags (TEST_XLA_FLAGS in tests/conftest.py).
-NB := XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# tests' XLA flags (tests/xla_flags.py).
+NB := XLA_FLAGS="$$XLA_FLAGS $$($(PY) tests/xla_flags.py)"
 test-nb: $(STAMP)
 	$(NB) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks/*.ipynb
 

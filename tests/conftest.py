@@ -19,13 +19,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
-# Tests compile for speed of compilation, most of this suite's time: LLVM at -O0 (XLA's HLO
-# passes still run; XLA:CPU uses no fast-math, so the float semantics are the same) and
-# XLA:CPU's older loop emitters instead of its MLIR fusion emitters (half the compile time
-# of a training step). Inherited by the processes the tests start unless they set their own
-# XLA_FLAGS (those that emulate a user's fresh process do). `make run`, the benchmarks and
-# users keep XLA's default.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# Tests compile for speed of compilation (tests/xla_flags.py says which flags and why).
+# Inherited by the processes the tests start unless they set their own XLA_FLAGS (those
+# that emulate a user's fresh process do). `make run`, the benchmarks and users keep XLA's
+# default.
+from xla_flags import flags as _test_xla_flags  # noqa: E402
+
+TEST_XLA_FLAGS = _test_xla_flags()
 for _flag in TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()

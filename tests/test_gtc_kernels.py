@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_target import lower_for_cuda, on_gpu
 from gtc_oracle import SIGN, pack_oracle, unpack_oracle
 
 from shoal.kernels import gtc_pack, gtc_pack_parts, gtc_unpack
@@ -384,9 +385,10 @@ def test_pallas_interpret_is_bit_exact(n):
             np.testing.assert_array_equal(bits(dense_pallas), bits(dense_ref))
 
 
-def test_default_impl_on_cpu_is_reference():
+def test_default_impl_is_pallas_on_gpu_only():
     v, tau = random_values(np.random.default_rng(9), 100, 0.1)
-    assert jax.default_backend() != "gpu"
+    jaxpr = str(jax.make_jaxpr(lambda x: gtc_pack(x, tau, 10, 3))(v))
+    assert ("pallas_call" in jaxpr) == on_gpu()
     assert_pack_equal(gtc_pack(v, tau, 10, 3), pack_oracle(v, tau, 10, 3))
 
 
@@ -396,24 +398,19 @@ def test_pallas_lowers_for_gpu():
     def pack(values, tau, offset):
         return gtc_pack_pallas(values, tau, 100, offset, interpret=False)
 
-    lowered = (
-        jax.jit(pack)
-        .trace(jax.ShapeDtypeStruct((5000,), jnp.float32), jnp.float32(1), jnp.int32(0))
-        .lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(
+        pack, jax.ShapeDtypeStruct((5000,), jnp.float32), jnp.float32(1), jnp.int32(0)
     )
     text = lowered.as_text()
     assert text.count("xla.gpu.triton") == 2
     assert "gtc_count" in text and "gtc_emit" in text
 
     unpack = functools.partial(gtc_unpack_pallas, size=5000, interpret=False)
-    lowered = (
-        jax.jit(unpack)
-        .trace(
-            jax.ShapeDtypeStruct((4, 100), jnp.int32),
-            jax.ShapeDtypeStruct((4,), jnp.int32),
-            jnp.float32(1),
-        )
-        .lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(
+        unpack,
+        jax.ShapeDtypeStruct((4, 100), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jnp.float32(1),
     )
     text = lowered.as_text()
     assert "gtc_unpack" in text and "gtc_scale" in text

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_target import lower_for_cuda, on_gpu
 
 from shoal.kernels.quant import dequantize, quantize
 from shoal.kernels.quant_pallas import MAX_BLOCK, dequantize_pallas, quantize_pallas
@@ -171,12 +172,11 @@ def _has_pallas(fn, *args):
 
 
 def test_dispatch():
-    assert jax.default_backend() != "gpu"
     v = np.ones((2, 8), np.float32)
-    assert not _has_pallas(lambda x: quantize(x, "fp8", 4), v)
+    assert _has_pallas(lambda x: quantize(x, "fp8", 4), v) == on_gpu()
     assert _has_pallas(lambda x: quantize(x, "fp8", 4, impl="pallas"), v)
     codes, scales = quantize(v, "fp8", 4)
-    assert not _has_pallas(lambda c, s: dequantize(c, s, "fp8", 4), codes, scales)
+    assert _has_pallas(lambda c, s: dequantize(c, s, "fp8", 4), codes, scales) == on_gpu()
     assert _has_pallas(lambda c, s: dequantize(c, s, "fp8", 4, impl="pallas"), codes, scales)
     # Blocks longer than MAX_BLOCK stay on the reference whatever impl says.
     big = 2 * MAX_BLOCK
@@ -199,23 +199,17 @@ def test_empty_buffers(fmt):
 def test_pallas_lowers_for_gpu(fmt, block):
     """The Triton kernels lower (Pallas -> Triton IR) for CUDA without a GPU."""
     n = 10 * block
-    text = (
-        jax.jit(functools.partial(quantize_pallas, fmt=fmt, block=block))
-        .trace(jax.ShapeDtypeStruct((3, n), jnp.float32))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = lower_for_cuda(
+        functools.partial(quantize_pallas, fmt=fmt, block=block),
+        jax.ShapeDtypeStruct((3, n), jnp.float32),
+    ).as_text()
     assert text.count("xla.gpu.triton") == 1 and f"quantize_{fmt}" in text
     assert "div.rn.f32" in text  # the IEEE division, not Triton's approximate one
-    text = (
-        jax.jit(functools.partial(dequantize_pallas, fmt=fmt, block=block))
-        .trace(
-            jax.ShapeDtypeStruct((3, n * BITS[fmt] // 8), jnp.uint8),
-            jax.ShapeDtypeStruct((3, 10), jnp.float32),
-        )
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = lower_for_cuda(
+        functools.partial(dequantize_pallas, fmt=fmt, block=block),
+        jax.ShapeDtypeStruct((3, n * BITS[fmt] // 8), jnp.uint8),
+        jax.ShapeDtypeStruct((3, 10), jnp.float32),
+    ).as_text()
     assert text.count("xla.gpu.triton") == 1 and f"dequantize_{fmt}" in text
 
 

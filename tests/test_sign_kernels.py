@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_target import lower_for_cuda, on_gpu
 
 from shoal.kernels import sign_pack, sign_unpack
 from shoal.kernels.sign_pallas import ROWS, sign_pack_pallas, sign_unpack_pallas
@@ -98,30 +99,22 @@ def test_unpack_leading_dimensions():
         np.testing.assert_array_equal(np.asarray(out), unpack_oracle(bits, scale, 37))
 
 
-def test_default_impl_on_cpu_is_reference():
-    assert jax.default_backend() != "gpu"
+def test_default_impl_is_pallas_on_gpu_only():
     v = np.random.default_rng(4).standard_normal(50).astype(np.float32)
+    assert ("pallas_call" in str(jax.make_jaxpr(sign_pack)(v))) == on_gpu()
     np.testing.assert_array_equal(np.asarray(sign_pack(v)[0]), pack_oracle(v)[0])
 
 
 def test_pallas_lowers_for_gpu():
     """The Triton kernels lower (Pallas -> Triton IR) for CUDA without a GPU."""
     pack = functools.partial(sign_pack_pallas, interpret=False)
-    text = (
-        jax.jit(pack)
-        .trace(jax.ShapeDtypeStruct((4, 5000), jnp.float32))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = lower_for_cuda(pack, jax.ShapeDtypeStruct((4, 5000), jnp.float32)).as_text()
     assert text.count("xla.gpu.triton") == 1 and "sign_pack" in text
 
     unpack = functools.partial(sign_unpack_pallas, size=5000, interpret=False)
-    text = (
-        jax.jit(unpack)
-        .trace(jax.ShapeDtypeStruct((4, 625), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.float32))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = lower_for_cuda(
+        unpack, jax.ShapeDtypeStruct((4, 625), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.float32)
+    ).as_text()
     assert text.count("xla.gpu.triton") == 1 and "sign_unpack" in text
 
 
