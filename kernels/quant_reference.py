@@ -109,9 +109,15 @@ def quantize_reference(values: jax.Array, fmt: str, block: int) -> tuple[jax.Arr
     if n % block:
         raise ValueError(f"the last axis ({n}) must be a multiple of block={block}")
     v = values.astype(jnp.float32).reshape(*lead, n // block, block)
-    # Times the float32 reciprocal, not divided by M: XLA turns a division by a constant
-    # into that product anyway, so this is the rounding every backend gives.
-    scale = jnp.max(jnp.abs(v), axis=-1) * jnp.float32(1 / MAX_CODE[fmt])
+    # The absmax as a max over the int32 bits of |v| (ordered like the floats for
+    # non-negative values, NaN above Inf), as the Pallas kernel takes it: XLA:CPU's float
+    # max reduction drops a NaN at some shapes (every NaN of float32[2, 37, 128] with
+    # jax 0.10, found by benchmarks/gpu_check.py), and the NaN must make its block's
+    # scale NaN. Times the float32 reciprocal, not divided by M: XLA turns a division by
+    # a constant into that product anyway, so this is the rounding every backend gives.
+    magnitude = lax.bitcast_convert_type(v, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    absmax = lax.bitcast_convert_type(jnp.max(magnitude, axis=-1), jnp.float32)
+    scale = absmax * jnp.float32(1 / MAX_CODE[fmt])
     # An all-zero block keeps scale 0 and codes 0 (divide by 1 instead of 0).
     unit = v / jnp.where(scale > 0, scale, jnp.float32(1))[..., None]
     top = jnp.float32(MAX_CODE[fmt])

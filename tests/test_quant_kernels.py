@@ -150,6 +150,27 @@ def test_nonfinite_inputs_match_reference(fmt):
     assert np.isnan(out[[0, 1, 2, 3, 4, 6]]).all() and (out[5] == 0).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_a_nan_makes_its_block_scale_nan_at_any_shape(fmt, impl):
+    """float32[2, 37 * 128] in blocks of 128: XLA:CPU's float max reduction drops every
+    NaN at this shape (jax 0.10), which gave the reference a finite scale where the
+    Pallas kernel, on the GPU and interpreted, gives NaN (found by the GPU check's size
+    sweep, benchmarks/gpu/kernels.py). Each NaN here, one per block at every position
+    class, must make its block's scale NaN, and its payload is the block's largest."""
+    rng = np.random.default_rng(7)
+    v = rng.standard_normal((2, 37 * 128)).astype(np.float32)
+    blocks = v.reshape(2, 37, 128)
+    for b in range(0, 37, 3):
+        blocks[b % 2, b, (b * 11) % 128] = np.nan
+    codes, scales = quantize(v, fmt, 128, impl=impl)
+    want = np.isnan(blocks).any(axis=-1)
+    np.testing.assert_array_equal(np.isnan(np.asarray(scales)), want)
+    finite = np.abs(blocks).max(axis=-1) * np.float32(1 / TOP[fmt])
+    np.testing.assert_array_equal(np.asarray(scales)[~want], finite[~want])
+    assert_same(quantize(v, fmt, 128, impl="pallas"), quantize(v, fmt, 128, impl="reference"))
+
+
 @pytest.mark.parametrize(("fmt", "block"), [("int8", 16), ("fp4", 16)])
 def test_leading_dimensions_and_vmap(fmt, block):
     v = sample(fmt, block, lead=6, blocks=2).reshape(2, 3, -1)
