@@ -15,7 +15,8 @@ MPI_RANKS ?= 4
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-nb test-sim-nb test-mpi notebooks bench bench-cluster study lint wheel-check clean venv
+.PHONY: run test test-sim test-nb test-sim-nb test-mpi test-gpu-rehearse gpu-check notebooks bench \
+	bench-cluster study lint wheel-check clean venv
 
 venv: $(STAMP)
 
@@ -31,7 +32,7 @@ run: $(STAMP)
 
 # The in-process tests and the notebooks share one pool of processes (the notebooks first:
 # the longest items start early), then the MPI tests.
-test: test-sim-nb test-mpi
+test: test-sim-nb test-mpi test-gpu-rehearse
 
 test-sim: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
@@ -56,6 +57,35 @@ notebooks: $(STAMP)
 test-mpi: $(STAMP)
 	timeout -k 10 $(MPI_TIMEOUT) $(BIN)/mpiexec -n $(MPI_RANKS) \
 		$(PY) -m pytest -q -m mpi -p no:cacheprovider $$(grep -l 'mark\.mpi' tests/test_*.py)
+
+# The GPU machine's check (benchmarks/gpu_check.py; BENCHMARKS.md's "## gpu" gives the
+# device command and its time limit): that machine's own python3, no venv, no install,
+# under 8 minutes; writes BENCHMARKS.md's gpu block. GPU_CHECK_ARGS: e.g. "--stages lm
+# --budget lm=200" for a second try of one stage.
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= runs/gpu-check
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) --write-benchmarks $(GPU_CHECK_ARGS)
+
+# The GPU check's CPU rehearsal as the GPU machine would run it: Python 3.12 with jax
+# 0.11.2 and that machine's packages (benchmarks/gpu/machine.txt) in .venv-gpu, shoal not
+# installed. (The rehearsal under this venv's Python runs in test-sim: tests/test_gpu_check.py.)
+# Without a Python 3.12 it is skipped, with a line saying so, except on CI (CI=true).
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+GPU_VENV := .venv-gpu
+$(GPU_VENV)/.installed: benchmarks/gpu/machine.txt
+	$(PYTHON312) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q -r benchmarks/gpu/machine.txt
+	touch $@
+
+test-gpu-rehearse:
+	@if ! $(PYTHON312) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then \
+		echo "test-gpu-rehearse: no Python 3.12 here (PYTHON312=$(PYTHON312)): not run"; \
+		if [ "$$CI" = true ]; then exit 1; fi; \
+	else \
+		$(MAKE) --no-print-directory $(GPU_VENV)/.installed && \
+		$(GPU_VENV)/bin/python benchmarks/gpu_check.py --rehearse --out runs/gpu-rehearse; \
+	fi
 
 # Every benchmarks/*.py (how each is launched: LAUNCH in run_all.py), each with a timeout;
 # rewrites its generated block in BENCHMARKS.md. BENCH_ARGS: e.g. "--only gtc_pack", "--dry-run".
@@ -102,4 +132,4 @@ wheel-check: $(STAMP)
 	PYTHON=$(PYTHON) bash tests/jobs/wheel_check.sh $(PY)
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info .mypy_cache .import_linter_cache
+	rm -rf $(VENV) $(GPU_VENV) runs build *.egg-info .mypy_cache .import_linter_cache

@@ -3,7 +3,8 @@
 Usage: ``.venv/bin/python benchmarks/run_all.py [--only NAME[,NAME]] [--dry-run]
 [--timeout S]`` (``make bench`` runs it with no options).
 
-Every ``benchmarks/*.py`` except this file is a benchmark; its NAME is the file's stem.
+Every ``benchmarks/*.py`` except this file and ``gpu_check.py`` (the GPU machine's check,
+``make gpu-check``, which writes its own block) is a benchmark; its NAME is the file's stem.
 `LAUNCH` below says how to start one (plain ``python``, or ``mpiexec -n K`` and extra
 arguments); a script not listed there runs as plain ``python NAME.py``. Each runs in turn
 from the repository root, with a timeout, its stdout captured.
@@ -78,8 +79,11 @@ class Result:
     load: tuple[float, float] = field(default=(0.0, 0.0))
 
 
+NOT_BENCHMARKS = {Path(__file__).stem, "gpu_check"}
+
+
 def discover() -> list[str]:
-    return sorted(p.stem for p in HERE.glob("*.py") if p.resolve() != Path(__file__).resolve())
+    return sorted(p.stem for p in HERE.glob("*.py") if p.stem not in NOT_BENCHMARKS)
 
 
 def _mpiexec() -> str | None:
