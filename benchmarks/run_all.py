@@ -64,6 +64,8 @@ LAUNCH: dict[str, Launch] = {
     "bfb_allreduce": Launch(ranks=6, args=("--fused",)),
     # Every quickstart algorithm at 0.1M-4M parameters and 8-64 workers: ~27 min on 2 cores.
     "sim_scale": Launch(timeout=2700),
+    # DiLoCo against drjax and the JAX floor, 1M MLP and 4M LM x 4, 8, 16: ~15 min on 2 cores.
+    "sim_vs_jax_peer": Launch(timeout=2400),
     # 18 fresh processes, 12 of them importing JAX: under a minute on 2 cores.
     "help_speed": Launch(timeout=300),
 }
