@@ -16,8 +16,11 @@ drjax program). The systems:
 * **shoal**: ``shoal.optim.diloco`` under ``jax.jit(jax.vmap(step))`` with
   `update_and_apply`, the parameters and state donated, one dispatch per inner step: what
   ``shoal-run`` runs today;
-* **shoal, scanned**: the same worker step, its H inner steps of a round in one
-  ``lax.scan`` inside one jitted, donated program (a user's own loop can do this today);
+* **shoal, held once**: the same, with DiLoCo's rank-uniform state (global model, outer
+  optimizer state, counters) passed to vmap unbatched, one copy for all workers
+  (`shoal.optim.helpers.uniform_axes`, `hold_uniform`);
+* **shoal, held once, scanned**: that, with the H inner steps of a round in one
+  ``lax.scan`` inside one jitted, donated program;
 * **drjax**: a drjax program (``drjax.program``, ``map_fn``, ``reduce_mean``,
   ``broadcast``) in MaxText's layout: the inner parameters and AdamW states placed, one
   per worker, the global model and the outer optimizer state held once; the H inner steps
@@ -32,8 +35,9 @@ and ratios of medians (above 1: shoal is faster). Memory: XLA's accounting of ea
 compiled program (arguments + outputs - aliased + temporaries; the per-step program for
 shoal, the round for the others), and the bytes of the state carried between programs,
 both over N. Agreement: after the first round, the largest difference between each
-system's global model and shoal's (drjax and shoal average ``theta_i`` in different
-orders: float32 rounding, not more).
+system's global model and shoal's (float32 rounding, not more: drjax averages
+``theta_i`` in another order, and XLA fuses the unbatched and scanned programs
+otherwise).
 
 Models: ``mlp``, `sim_scale`'s 4-layer tanh MLP of width 512 (1.05M parameters, 32
 examples per worker); ``lm``, the byte-level transformer of ``shoal.experiments.tasks.lm``
@@ -60,6 +64,7 @@ from run_all import cpu_model  # benchmarks/ is on sys.path when this runs as a 
 from shoal.comms import AxisCollective
 from shoal.experiments.runner import malloc
 from shoal.optim import diloco, update_and_apply
+from shoal.optim.helpers import hold_uniform, uniform_axes
 
 LR, OUTER_LR, MOMENTUM = 1e-3, 0.7, 0.9
 
@@ -80,7 +85,7 @@ class MLP:
 
     def __init__(self, width: int, batch: int = 32):
         self.width, self.batch = width, batch
-        self.label = f"MLP {4 * (width * width + width) / 1e6:.2f}M"
+        self.label = f"MLP {4 * (width * width + width) / 1e6:.3g}M"
 
     def init(self, seed: int = 0) -> dict:
         rng = np.random.default_rng(seed)
@@ -120,7 +125,7 @@ class ByteLM:
         self.seq, self.batch = seq, batch
         shapes = jax.eval_shape(self.init)
         count = sum(x.size for x in jax.tree.leaves(shapes))
-        self.label = f"GPT-style LM {count / 1e6:.1f}M"
+        self.label = f"GPT-style LM {count / 1e6:.3g}M"
 
     def init(self, seed: int = 0) -> Any:
         tokens = jnp.zeros((1, self.seq), jnp.int32)
@@ -158,11 +163,12 @@ def nbytes(tree) -> int:
 
 
 class Shoal:
-    """shoal's `diloco` under vmap; ``scanned``: H inner steps per program."""
+    """shoal's `diloco` under vmap; ``held``: its rank-uniform state held once
+    (`shoal.optim.helpers.uniform_axes`); ``scanned``: H inner steps per program."""
 
-    def __init__(self, model, n: int, h: int, scanned: bool):
-        self.name = "shoal, scanned" if scanned else "shoal"
-        self.h, self.scanned = h, scanned
+    def __init__(self, model, n: int, h: int, *, held: bool, scanned: bool):
+        self.name = "shoal" + (", held once" if held else "") + (", scanned" if scanned else "")
+        self.h, self.held, self.scanned = h, held, scanned
         coll = AxisCollective("workers", n)
         tx = diloco(inner_tx(), collective=coll, sync_every=h, outer=outer_tx())
 
@@ -178,13 +184,16 @@ class Shoal:
 
         params = stacked(model.init(), n)
         state = jax.jit(jax.vmap(tx.init, axis_name="workers"))(params)
+        if held:
+            state = hold_uniform(state)
+        axes = uniform_axes(state) if held else 0
         self.state = (params, state)
         xs, ys = model.batches(h, n)
         if scanned:
-            fn = jax.vmap(round_, axis_name="workers", in_axes=(0, 0, 1, 1))
+            fn = jax.vmap(round_, axis_name="workers", in_axes=(0, axes, 1, 1), out_axes=(0, axes))
             self.args = (xs, ys)
         else:
-            fn = jax.vmap(step, axis_name="workers")
+            fn = jax.vmap(step, axis_name="workers", in_axes=(0, axes, 0, 0), out_axes=(0, axes))
             self.args = [(xs[k], ys[k]) for k in range(h)]
         example = self.args if scanned else self.args[0]
         self.program = jax.jit(fn, donate_argnums=(0, 1)).lower(*self.state, *example).compile()
@@ -200,7 +209,8 @@ class Shoal:
         jax.block_until_ready(self.state)
 
     def global_model(self):
-        return jax.tree.map(lambda a: a[0], self.state[1].global_params)
+        theta = self.state[1].global_params
+        return theta if self.held else jax.tree.map(lambda a: a[0], theta)
 
 
 class DrJAX:
@@ -288,15 +298,16 @@ def largest_difference(a, b) -> float:
 
 def measure(model, n: int, h: int, reps: int) -> dict[str, Any]:
     systems = [
-        Shoal(model, n, h, False),
-        Shoal(model, n, h, True),
+        Shoal(model, n, h, held=False, scanned=False),
+        Shoal(model, n, h, held=True, scanned=False),
+        Shoal(model, n, h, held=True, scanned=True),
         DrJAX(model, n, h),
         Floor(model, n, h),
     ]
     for s in systems:
         s.round()  # untimed: the first round (compiled above, but first runs allocate)
     reference = systems[0].global_model()
-    agree = {s.name: largest_difference(s.global_model(), reference) for s in systems[1:3]}
+    agree = {s.name: largest_difference(s.global_model(), reference) for s in systems[1:4]}
     times: dict[str, list[float]] = {s.name: [] for s in systems}
     for rep in range(reps):
         k = rep % len(systems)
@@ -328,27 +339,43 @@ def report(results: list[dict[str, Any]], h: int, reps: int, wall: float, load) 
         f"drjax {__import__('drjax').__version__}, load average (1 min) {load[0]:.2f} at start, "
         f"{os.getloadavg()[0]:.2f} at end; total {wall:.0f} s; malloc: {malloc.describe()}"
     )
+    held, both = "shoal, held once", "shoal, held once, scanned"
+    print()
+    print("### Seconds per round, and ratios (above 1: the first named is slower)")
     print()
     print(
-        "| model | N | shoal s/round | scanned s/round | drjax s/round | drjax / shoal | "
-        "drjax / scanned | shoal / floor | scanned / floor | XLA MB/worker: shoal, scanned, "
-        "drjax | state MB/worker: shoal, drjax | max diff to shoal: scanned, drjax |"
+        "| model | N | shoal | held once | held once, scanned | drjax | JAX floor | "
+        "drjax / shoal | drjax / held+scanned | shoal / floor | held+scanned / floor |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        s, m, st, a = r["seconds"], r["memory"], r["state"], r["agree"]
-        sh, sc, dr, fl = s["shoal"], s["shoal, scanned"], s["drjax"], s["JAX floor"]
+        s = r["seconds"]
+        sh, he, hs, dr, fl = (s[k] for k in ("shoal", held, both, "drjax", "JAX floor"))
         print(
-            f"| {r['model']} | {r['n']} | {sh:.4g} | {sc:.4g} | {dr:.4g} | {dr / sh:.2f} | "
-            f"{dr / sc:.2f} | {sh / fl:.2f} | {sc / fl:.2f} | {m['shoal'] / 1e6:.1f}, "
-            f"{m['shoal, scanned'] / 1e6:.1f}, {m['drjax'] / 1e6:.1f} | "
-            f"{st['shoal'] / 1e6:.1f}, {st['drjax'] / 1e6:.1f} | "
-            f"{a['shoal, scanned']:.1e}, {a['drjax']:.1e} |"
+            f"| {r['model']} | {r['n']} | {sh:.4g} | {he:.4g} | {hs:.4g} | {dr:.4g} | {fl:.4g} | "
+            f"{dr / sh:.2f} | {dr / hs:.2f} | {sh / fl:.2f} | {hs / fl:.2f} |"
+        )
+    print()
+    print("### Memory per worker (MB) and agreement after one round")
+    print()
+    print(
+        "| model | N | XLA: shoal | held once | held once, scanned | drjax | state: shoal | "
+        "held once | drjax | max diff to shoal: held, held+scanned, drjax |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        m, st, a = r["memory"], r["state"], r["agree"]
+        print(
+            f"| {r['model']} | {r['n']} | {m['shoal'] / 1e6:.3g} | {m[held] / 1e6:.3g} | "
+            f"{m[both] / 1e6:.3g} | {m['drjax'] / 1e6:.3g} | {st['shoal'] / 1e6:.3g} | "
+            f"{st[held] / 1e6:.3g} | {st['drjax'] / 1e6:.3g} | "
+            f"{a[held]:.1e}, {a[both]:.1e}, {a['drjax']:.1e} |"
         )
     print()
     print(
-        "Ratios above 1: shoal is faster. The floor is one worker's plain AdamW step times N; "
-        "memory per worker is over N (the floor's is one worker's)."
+        "The floor is one worker's plain AdamW step times N. XLA: its accounting of the "
+        "compiled program (shoal's per-step program; the round for the scanned ones and "
+        "drjax); state: the bytes carried between programs; both over N."
     )
 
 

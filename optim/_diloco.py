@@ -65,6 +65,10 @@ class DiLoCoState(NamedTuple):
     wire: WireMeter
     exchange_memory: tuple = ()
 
+    # The same on every worker: simulated workers can hold them once
+    # (`shoal.optim.helpers.uniform_axes`).
+    RANK_UNIFORM = ("outer_state", "global_params", "step", "rounds")
+
 
 def diloco(
     inner: optax.GradientTransformation,

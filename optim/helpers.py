@@ -1,8 +1,9 @@
 """Helpers that read or plan what a transformation does, beside the factories of
 `shoal.optim`: the gradient noise scale of a monitor's state, the peers of a step of peer
 averaging, the bins of partial exchange, Streaming DiLoCo's fragments, the error
-``nonfinite="raise"`` raised inside a compiled step, and the check that every worker
-starts from the same model.
+``nonfinite="raise"`` raised inside a compiled step, the check that every worker
+starts from the same model, and the axes that let simulated workers hold rank-uniform
+state once.
 
 Example:
   >>> from shoal.optim.helpers import peer_permutation
@@ -16,14 +17,17 @@ from shoal.optim._partial_exchange import partial_exchange_bins
 from shoal.optim._peer_averaging import peer_permutation
 from shoal.optim._same_model import SameModelCheck, check_same_model, same_model_check
 from shoal.optim._streaming_diloco import split_fragments
+from shoal.optim._uniform import hold_uniform, uniform_axes
 
 __all__ = [
     "SameModelCheck",
     "check_same_model",
+    "hold_uniform",
     "noise_scale",
     "peer_permutation",
     "partial_exchange_bins",
     "same_model_check",
     "split_fragments",
     "take_raised",
+    "uniform_axes",
 ]
