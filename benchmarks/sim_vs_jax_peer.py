@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from run_all import cpu_model  # benchmarks/ is on sys.path when this runs as a script
+from sim_scale import ScaleTask, memory, n_params
 
 from shoal.comms import AxisCollective
 from shoal.experiments.runner import malloc
@@ -80,39 +81,20 @@ def outer_tx():
 # ----------------------------------------------------------------------------- models
 
 
-class MLP:
-    """`sim_scale`'s 4-layer tanh MLP (input W, three hidden layers of W, W logits)."""
+class MLP(ScaleTask):
+    """`sim_scale`'s task: its 4-layer tanh MLP and fixed batches, stacked for H steps."""
 
     def __init__(self, width: int, batch: int = 32):
-        self.width, self.batch = width, batch
-        self.label = f"MLP {4 * (width * width + width) / 1e6:.3g}M"
+        super().__init__(width, batch)
+        self.label = f"MLP {n_params(width) / 1e6:.3g}M"
 
-    def init(self, seed: int = 0) -> dict:
-        rng = np.random.default_rng(seed)
-        w = self.width
-        return {
-            f"layer{i}": {
-                "w": jnp.asarray(rng.normal(scale=w**-0.5, size=(w, w)).astype(np.float32)),
-                "b": jnp.zeros((w,), jnp.float32),
-            }
-            for i in range(4)
-        }
+    def init(self) -> dict:
+        return self.init_params()
 
-    @staticmethod
-    def loss(params, x, y):
-        h = x
-        for i in range(4):
-            h = h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
-            h = jnp.tanh(h) if i < 3 else h
-        logp = jax.nn.log_softmax(h)
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    def batches(self, h: int, n: int, seed: int = 1):
+    def batches(self, h: int, n: int):
         """[H, N, ...] inputs and labels: step k, worker i."""
-        rng = np.random.default_rng(seed)
-        x = rng.normal(size=(h, n, self.batch, self.width)).astype(np.float32)
-        y = rng.integers(self.width, size=(h, n, self.batch)).astype(np.int32)
-        return jnp.asarray(x), jnp.asarray(y)
+        xs, ys = zip(*(self.batch(k, n) for k in range(h)))
+        return jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys))
 
 
 class ByteLM:
@@ -146,16 +128,6 @@ class ByteLM:
 
 def stacked(tree, n):
     return jax.tree.map(lambda a: jnp.array(jnp.broadcast_to(a, (n, *a.shape))), tree)
-
-
-def memory(compiled) -> int:
-    m = compiled.memory_analysis()
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
 
 
 def nbytes(tree) -> int:
@@ -197,7 +169,7 @@ class Shoal:
             self.args = [(xs[k], ys[k]) for k in range(h)]
         example = self.args if scanned else self.args[0]
         self.program = jax.jit(fn, donate_argnums=(0, 1)).lower(*self.state, *example).compile()
-        self.memory = memory(self.program)
+        self.memory = memory(self.program)["peak"]
         self.state_bytes = nbytes(self.state)
 
     def round(self) -> None:
@@ -247,7 +219,7 @@ class DrJAX:
         self.state = (params, opts, jax.tree.map(jnp.array, theta), outer.init(theta))
         self.args = model.batches(h, n)
         self.program = jax.jit(round_, donate_argnums=0).lower(self.state, *self.args).compile()
-        self.memory = memory(self.program)
+        self.memory = memory(self.program)["peak"]
         self.state_bytes = nbytes(self.state)
 
     def round(self) -> None:
@@ -277,7 +249,7 @@ class Floor:
         self.args = [(xs[k, 0], ys[k, 0]) for k in range(h)]
         self.program = jax.jit(step, donate_argnums=(0, 1)).lower(*self.state, *self.args[0])
         self.program = self.program.compile()
-        self.memory = memory(self.program)
+        self.memory = memory(self.program)["peak"]
         self.state_bytes = nbytes(self.state)
         self.n = n
 

@@ -51,9 +51,10 @@ def median_ms(jax, fn, args, reps: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def cases(n: int, jnp, rng):
+def cases(n: int, rng):
     """(name, function of impl -> jitted callable, its arguments, bytes moved)."""
     import jax
+    import jax.numpy as jnp
 
     from shoal.kernels import dequantize, gtc_pack, gtc_unpack, quantize, sign_pack, sign_unpack
 
@@ -108,9 +109,13 @@ def cases(n: int, jnp, rng):
     return v, out
 
 
+def summary(rows) -> str:
+    meets = sum(r.get("meets") == "yes" for r in rows)
+    return f"{meets} of {len(rows)} kernel runs at 60% of the copy's bandwidth or more"
+
+
 def run(record, ctx) -> bool:
     import jax
-    import jax.numpy as jnp
 
     record.set(device=ctx.device_name())
     sizes = SIZES_REHEARSE if ctx.rehearse else SIZES_GPU
@@ -122,7 +127,7 @@ def run(record, ctx) -> bool:
         if record.left() < 10:
             record.note(f"n = {n:,} and larger: skipped, out of time")
             break
-        v, todo = cases(n, jnp, rng)
+        v, todo = cases(n, rng)
         for name, make, args, nbytes in todo:
             if record.left() < 5:
                 record.note(f"{name} at n = {n:,} and after: skipped, out of time")

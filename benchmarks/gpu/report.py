@@ -4,6 +4,7 @@ and the block of BENCHMARKS.md that holds it (between ``<!-- gpu:start -->`` and
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 from typing import Any
@@ -32,21 +33,10 @@ def table(data: dict[str, Any]) -> list[str]:
 
 
 def summary(data: dict[str, Any]) -> str:
-    """A stage's one-line verdict, beyond its status."""
-    rows = data["rows"]
-    if data["stage"] == "kernels":
-        bad = [r for r in rows if r.get("result") not in ("ok", "skipped")]
-        skipped = sum(r.get("result") == "skipped" for r in rows)
-        text = f"{len(rows) - len(bad) - skipped} of {len(rows)} checks bit-exact or passed"
-        return text + (f", {skipped} skipped for time" if skipped else "")
-    if data["stage"] == "kernel_speed" and rows:
-        meets = sum(r.get("meets") == "yes" for r in rows)
-        return f"{meets} of {len(rows)} kernel runs at 60% of the copy's bandwidth or more"
-    if data["stage"] == "simulator" and rows:
-        judged = [r for r in rows if isinstance(r.get("target"), (int, float)) and r.get("ratio")]
-        meets = sum(r["ratio"] <= r["target"] for r in judged)
-        return f"{meets} of {len(judged)} rows within the CPU targets (ratio <= target)"
-    return ""
+    """A stage's one-line verdict beyond its status: its module's ``summary(rows)``, if it
+    has one and there are rows."""
+    verdict = getattr(importlib.import_module(f"gpu.{data['stage']}"), "summary", None)
+    return verdict(data["rows"]) if verdict and data["rows"] else ""
 
 
 def collect(dirs: list[Path]) -> dict[str, dict[str, Any]]:

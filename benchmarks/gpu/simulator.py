@@ -81,6 +81,12 @@ def run(record, ctx) -> bool:
     return ok
 
 
+def summary(rows) -> str:
+    judged = [r for r in rows if isinstance(r.get("target"), (int, float)) and r.get("ratio")]
+    meets = sum(r["ratio"] <= r["target"] for r in judged)
+    return f"{meets} of {len(judged)} rows within the CPU targets (ratio <= target)"
+
+
 def cells(ctx) -> list[tuple[str, int]]:
     """The cells to run: ``--cells`` (``25M:8,125M:64``) or the default list."""
     if not ctx.cells:
