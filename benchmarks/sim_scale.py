@@ -323,7 +323,7 @@ class Case:
 
     def state(self, tx, group_size=None):
         params = self.backend.replicate(self.params0)
-        opt_state = self.backend.spmd(tx.init, group_size=group_size)(params)
+        opt_state = self.backend.init_state(tx.init, params, group_size)
         return fresh((params, opt_state))
 
     def build_baseline(self):
@@ -385,9 +385,9 @@ class Case:
         if prog.period:
             # Untimed: one block, checking that its last step (only) is the BMUF step.
             for k in range(prog.period):
-                before = int(np.asarray(find(runner.state[1], BMUFState)[0].block)[0])
+                before = int(np.asarray(find(runner.state[1], BMUFState)[0].block).flat[0])
                 runner.run(1)
-                after = int(np.asarray(find(runner.state[1], BMUFState)[0].block)[0])
+                after = int(np.asarray(find(runner.state[1], BMUFState)[0].block).flat[0])
                 if (after - before) != (k == prog.period - 1):
                     raise AssertionError(f"{prog.entry}: step {k + 1} of a block: BMUF steps "
                                          f"{before} -> {after}")  # fmt: skip
@@ -403,7 +403,7 @@ class Case:
                     else:
                         b_times.append(base.run(prog.period) / prog.period)
             blocks = runner.steps // prog.period
-            done = int(np.asarray(find(runner.state[1], BMUFState)[0].block)[0])
+            done = int(np.asarray(find(runner.state[1], BMUFState)[0].block).flat[0])
             if runner.steps % prog.period or done != blocks:
                 raise AssertionError(f"{prog.entry}: {done} BMUF steps after {runner.steps} steps")
             b = np.median(b_times)

@@ -68,6 +68,18 @@ class BMUFState(NamedTuple):
     block: jax.Array
     wire: WireMeter
 
+    # The same on every worker: simulated workers can hold them once
+    # (`shoal.optim.helpers.uniform_axes`).
+    RANK_UNIFORM = ("global_params", "delta", "filtered", "step", "block")
+
+
+class GroupBMUFState(BMUFState):
+    """`BMUFState` of BMUF over groups (`shoal.optim._bmuf_gtc.bmuf_gtc`): a group's
+    members hold equal models, but each computes its own from its own params, so simulated
+    workers hold every field per worker."""
+
+    RANK_UNIFORM = ()
+
 
 def bmuf(
     inner: optax.GradientTransformation,
@@ -260,11 +272,12 @@ def block_update_filtering(
     else:
         eta_fn = _schedule("block_momentum", block_momentum, _check_block_momentum)
     two_buffers = nesterov and nbm == "chen_huo"
+    state_type = BMUFState if all_workers is None else GroupBMUFState
 
     def init_fn(params):
         check_same_structure(params, collective)
         check_floating_leaves("params", params)
-        return BMUFState(
+        return state_type(
             inner_state=local.init(params),
             global_params=jax.tree.map(jnp.array, params),
             delta=jax.tree.map(jnp.zeros_like, params),
@@ -345,10 +358,10 @@ def block_update_filtering(
             carry = run_if(in_warmup, warmup_step, carry)
         out, local_state, w_g, delta, filtered, block, wire = carry
         wire = state.wire.record(wire)  # this update's bytes, added to the total
-        new_state = BMUFState(local_state, w_g, delta, filtered, state.step + 1, block, wire)
+        new_state = state_type(local_state, w_g, delta, filtered, state.step + 1, block, wire)
         return out, new_state
 
-    return applying_transformation(name, BMUFState, init_fn, step_fn, lambda s: s.delta)
+    return applying_transformation(name, state_type, init_fn, step_fn, lambda s: s.delta)
 
 
 def _lin(a, x, b, y):

@@ -81,6 +81,10 @@ class StreamingDiLoCoState(NamedTuple):
     rounds: jax.Array
     wire: WireMeter
 
+    # The same on every worker: simulated workers can hold them once
+    # (`shoal.optim.helpers.uniform_axes`).
+    RANK_UNIFORM = ("outer_states", "global_params", "pending", "step", "rounds")
+
 
 def split_fragments(params: Any, num_fragments: int) -> tuple[tuple[int, ...], ...]:
     """The leaves of each fragment: contiguous runs in ``jax.tree.leaves`` order.

@@ -119,7 +119,8 @@ def hold_uniform(stacked: Any, axis: int = 0) -> Any:
     """
     axes = uniform_axes(stacked, axis)
     return jax.tree.map(
-        lambda a, x: x if a is not None else jax.numpy.take(x, 0, axis=axis),
+        # (None in ``stacked`` is an empty subtree, e.g. a fragment's outer state elsewhere.)
+        lambda a, x: x if a is not None or x is None else jax.numpy.take(x, 0, axis=axis),
         axes,
         stacked,
         is_leaf=lambda a: a is None,

@@ -1,7 +1,7 @@
 """Rank-uniform state held once by simulated workers (`shoal.optim.helpers.uniform_axes`,
-`hold_uniform`): DiLoCo's global model, outer state and counters passed to vmap unbatched
-give the stacked run's params and state, over rounds, with a compressed exchange and
-inside a chain, to float32 rounding (XLA fuses the unbatched arithmetic otherwise: a
+`hold_uniform`): DiLoCo's global model, outer state and counters (Streaming DiLoCo's per
+fragment, BMUF's global model and block momentum) passed to vmap unbatched give the
+stacked run's params and state, over rounds, with a compressed exchange and inside a chain, to float32 rounding (XLA fuses the unbatched arithmetic otherwise: a
 multiply-add contracted differently moves a value by an ulp, and AdamW's steps grow it); a declared
 field that would differ per worker is refused at trace time; only the declared fields
 are held once."""
@@ -15,7 +15,16 @@ from block_cases import linear_problem, loss
 from harness import adamw
 
 from shoal.comms import AxisCollective, Quantized
-from shoal.optim import DiLoCoState, diloco, skip_nonfinite, update_and_apply
+from shoal.optim import (
+    BMUFState,
+    DiLoCoState,
+    bmuf,
+    bmuf_gtc,
+    diloco,
+    skip_nonfinite,
+    streaming_diloco,
+    update_and_apply,
+)
 from shoal.optim.helpers import hold_uniform, uniform_axes
 
 N = 4
@@ -54,8 +63,11 @@ def assert_held_is_stacked(runs):
     (p1, s1), (p2, s2) = runs
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(a, b, **ULPS)
-    flat_axes = jax.tree.leaves(uniform_axes(s2), is_leaf=lambda a: a is None)
-    for axis, a, b in zip(flat_axes, jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
+
+    def compare(axis, a, b):
+        if a is None:  # an empty subtree (a fragment's outer state elsewhere)
+            assert b is None
+            return
         a, b = np.asarray(a), np.asarray(b)
         if axis is None:  # one copy: the stacked run's copies are all equal to it
             assert a.shape == (N, *b.shape)
@@ -63,6 +75,8 @@ def assert_held_is_stacked(runs):
                 np.testing.assert_allclose(row, b, **ULPS)
         else:
             np.testing.assert_allclose(a, b, **ULPS)
+
+    jax.tree.map(compare, uniform_axes(s2), s1, s2, is_leaf=lambda a: a is None)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +101,54 @@ def test_diloco_held_once_is_the_stacked_run(inner, exchange):
     assert int(state.rounds) == 2 and int(state.step) == 7
     assert state.global_params["w"].shape == PROBLEM.p0["w"].shape[1:]  # one copy
     assert state.outer_state[0].trace["w"].shape == PROBLEM.p0["w"].shape[1:]
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_streaming_diloco_held_once_is_the_stacked_run(overlap):
+    tx = streaming_diloco(
+        adamw(1e-2),
+        collective=AxisCollective("workers", N),
+        sync_every=4,
+        outer=outer(),
+        num_fragments=2,
+        overlap=overlap,
+        exchange=Quantized("fp4", block=2),
+    )
+    runs = both_runs(tx, steps=9)  # both fragments synced twice, one mix pending or done
+    assert_held_is_stacked(runs)
+    state = runs[1][1]
+    assert int(state.rounds) == 4
+    assert state.global_params["w"].shape == PROBLEM.p0["w"].shape[1:]
+    assert all(np.shape(p) == () for p in state.pending)
+    # The per-worker error feedback of the compressed exchange stays per worker.
+    assert jax.tree.leaves(state.exchange_memory)[0].shape[0] == N
+
+
+@pytest.mark.parametrize("nbm", ["seed", "chen_huo"])
+def test_bmuf_held_once_is_the_stacked_run(nbm):
+    tx = bmuf(
+        optax.sgd(0.1, momentum=0.9),
+        collective=AxisCollective("workers", N),
+        block_size=3,
+        block_momentum=0.5,
+        nbm=nbm,
+    )
+    runs = both_runs(tx, steps=7)
+    assert_held_is_stacked(runs)
+    state = runs[1][1]
+    assert int(state.block) == 2
+    assert state.delta["w"].shape == PROBLEM.p0["w"].shape[1:]
+    assert (state.filtered is None) == (nbm == "seed")
+
+
+def test_bmuf_over_groups_holds_its_state_per_worker():
+    """BMUF_GTC's members compute their group's model each from their own params: its
+    state declares nothing uniform (vmap would refuse it), and every leaf stays mapped."""
+    intra, inter = AxisCollective("workers", N).split(2)
+    tx = bmuf_gtc(optax.sgd(0.1), intra=intra, inter=inter, block_size=2, threshold=0.1)
+    state = tx.init({"w": jnp.zeros(3)})
+    assert isinstance(state, BMUFState)
+    assert jax.tree.leaves(uniform_axes(state)) == [0] * len(jax.tree.leaves(state))
 
 
 def test_held_inside_a_chain_and_a_wrapper():

@@ -19,12 +19,19 @@ All backends expose the same small interface to the training loop:
 * ``device_loss`` / ``by_worker`` / ``whole_params``: what changes when a worker spans
   several devices (``devices_per_worker`` K > 1, `JaxBackend` only; the identity
   otherwise): the loss one device computes, its metrics combined per worker, and its
-  parameters as whole leaves.
+  parameters as whole leaves;
+* ``init_state`` / ``held`` / ``spread``: the workers' initial optimizer state, the
+  state leaves held once for all of this process's workers (rank-uniform state of
+  simulated workers, `shoal.optim.helpers.uniform_axes`), and a state with those as host
+  rows for every worker (evaluation).
 
 Per-worker values always have the same host layout, a leading axis over this process's
 workers in rank order, whatever the tiers: only ``spmd`` knows how they are grouped. With
 K > 1 the rows are devices, K per worker (row ``w * K + k`` is device ``k`` of worker
-``w``), each holding piece ``k`` of every leaf of its worker.
+``w``), each holding piece ``k`` of every leaf of its worker. The one exception is state
+that is the same on every worker by construction (DiLoCo's global model and outer state):
+`SimBackend` holds it once, without the worker axis, in memory and in checkpoints; under
+MPI and ``jax`` every worker holds its own copy, as its own process or device must.
 
 This module holds that interface (`Backend`), the simulated and MPI backends and
 `make_backend`; the ``jax.distributed`` backend is `shoal.experiments.runner.jax_backend`.
@@ -43,8 +50,20 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from shoal.comms import AxisCollective, MPICollective, ParameterServers
+from shoal.optim.helpers import uniform_axes
 
 AXIS = "workers"
+
+
+def _unmapped(axis: Any) -> bool:
+    return axis is None
+
+
+def held_leaves(tree: Any) -> list[int]:
+    """The indices, in ``jax.tree.leaves`` order, of ``tree``'s rank-uniform leaves
+    (`shoal.optim.helpers.uniform_axes`), which simulated workers hold once."""
+    axes = jax.tree.leaves(uniform_axes(tree), is_leaf=_unmapped)
+    return [i for i, a in enumerate(axes) if a is None]
 
 
 class Backend(Protocol):
@@ -73,6 +92,9 @@ class Backend(Protocol):
     def device_loss(self, loss_fn): ...
     def by_worker(self, rows: tuple, ops: tuple[str, ...]) -> tuple: ...
     def whole_params(self, params: Any) -> Any: ...
+    def init_state(self, init, params: Any, group_size: int | None = None) -> Any: ...
+    def held(self, tree: Any) -> list[int]: ...
+    def spread(self, tree: Any) -> Any: ...
 
 
 def decide(problems: list[str | None]) -> str | None:
@@ -99,6 +121,23 @@ def world_agree(problem: str | None) -> str | None:
     from mpi4py import MPI
 
     return decide(MPI.COMM_WORLD.allgather(problem))
+
+
+class CopyPerWorker:
+    """The state hooks of backends whose workers each hold all of their state (one per
+    process or device): nothing is held once."""
+
+    def init_state(self, init, params: Any, group_size: int | None = None) -> Any:
+        """``init(params)`` of every worker (``spmd``)."""
+        return self.spmd(init, group_size=group_size)(params)
+
+    def held(self, tree: Any) -> list[int]:
+        """The leaf indices of ``tree`` held once for several workers: none."""
+        return []
+
+    def spread(self, tree: Any) -> Any:
+        """``tree`` with its leaves held once spread over the workers: already so."""
+        return tree
 
 
 class _WholeWorkers:
@@ -128,6 +167,12 @@ class SimBackend(_WholeWorkers):
     """``size`` workers in one process: per-worker values are stacked on a leading axis
     and per-worker functions run under ``jax.vmap(..., axis_name="workers")``.
 
+    Rank-uniform state (the fields a state class lists in ``RANK_UNIFORM``: DiLoCo's
+    global model and outer optimizer state, BMUF's global model and block momentum) is
+    held once, passed to vmap unbatched: with AdamW inside DiLoCo each worker holds 3
+    model-sized arrays (params, m, v) and all of them share 2 more, where a stacked
+    state would hold 5 per worker.
+
     Two tiers are two nested vmap axes, ``"group"`` (outer, ``M = size / group_size``)
     and ``"member"`` (inner, ``group_size``): worker ``w`` is member ``w % group_size``
     of group ``w // group_size``, so ``spmd`` reshapes every argument from ``[size,
@@ -148,17 +193,69 @@ class SimBackend(_WholeWorkers):
         return self.collective.split(group_size)
 
     def spmd(self, fn, group_size: int | None = None):
+        """``fn`` for all workers, vmapped over the workers (two nested axes with a
+        ``group_size``), each argument's and result's rank-uniform state held once
+        (`shoal.optim.helpers.uniform_axes`: unbatched, no worker axis)."""
+        return self._mapped(fn, group_size, same=False)
+
+    def init_state(self, init, params: Any, group_size: int | None = None) -> Any:
+        """``init(params)`` of every worker, from ``params`` that are the same on every
+        worker (the run's start): computed once, from worker 0's row, so rank-uniform state
+        (a global model equal to ``params``) comes out held once, as ``spmd`` holds it;
+        what may differ per worker (through its rank) still does."""
+        return self._mapped(init, group_size, same=True)(params)
+
+    def _mapped(self, fn, group_size: int | None, same: bool):
         if group_size is None:
-            return jax.jit(jax.vmap(fn, axis_name=AXIS))
-        intra, inter = self.two_tier(group_size)
-        nested = jax.vmap(jax.vmap(fn, axis_name=intra.axis_name), axis_name=inter.axis_name)
+            names, sizes = (AXIS,), (self.size,)
+        else:
+            intra, inter = self.two_tier(group_size)
+            names, sizes = (inter.axis_name, intra.axis_name), (inter.size, intra.size)
 
-        def grouped(*args):
-            split = lambda a: a.reshape(inter.size, intra.size, *a.shape[1:])
-            out = nested(*jax.tree.map(split, args))
-            return jax.tree.map(lambda a: a.reshape(self.size, *a.shape[2:]), out)
+        def mapped(in_axes, out_axes):
+            f = fn
+            for name, size in reversed(tuple(zip(names, sizes))):  # the innermost axis first
+                f = jax.vmap(f, in_axes, out_axes, axis_name=name, axis_size=size)
+            return f
 
-        return jax.jit(grouped)
+        def leaves(function, axes, tree):
+            return jax.tree.map(
+                lambda a, x: x if a is None else function(x), axes, tree, is_leaf=_unmapped
+            )
+
+        def run(*args):
+            if same:  # worker 0's row, unbatched
+                args = jax.tree.map(lambda a: a[0], args)
+                in_axes = jax.tree.map(lambda _: None, args)
+            else:
+                in_axes = uniform_axes(args)
+                args = leaves(lambda a: a.reshape(*sizes, *a.shape[1:]), in_axes, args)
+            # Which results are rank-uniform state is known from their structure only: one
+            # abstract trace finds it. A result declared uniform that comes out different
+            # per worker then makes vmap refuse its None out-axis, never keep one worker's.
+            out_axes = uniform_axes(jax.eval_shape(mapped(in_axes, 0), *args))
+            out = mapped(in_axes, out_axes)(*args)
+            return leaves(lambda a: a.reshape(self.size, *a.shape[len(sizes) :]), out_axes, out)
+
+        return jax.jit(run)
+
+    def held(self, tree: Any) -> list[int]:
+        """The leaf indices of ``tree`` (a state as ``spmd`` returns it) held once."""
+        return held_leaves(tree)
+
+    def spread(self, tree: Any) -> Any:
+        """``tree`` with every leaf held once as host rows for all workers (a read-only
+        NumPy broadcast view: no copies), the layout of the other leaves."""
+        return jax.tree.map(
+            lambda a, x: (
+                x
+                if a is not None or x is None
+                else np.broadcast_to(np.asarray(x), (self.size, *np.shape(x)))
+            ),
+            uniform_axes(tree),
+            tree,
+            is_leaf=_unmapped,
+        )
 
     def replicate(self, tree: Any) -> Any:
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.size, *a.shape)), tree)
@@ -234,7 +331,7 @@ class HostComm:
         os._exit(code)  # MPICH's Abort may return once the launcher has the request
 
 
-class MPIBackend(HostComm, _WholeWorkers):
+class MPIBackend(HostComm, CopyPerWorker, _WholeWorkers):
     """One worker per MPI rank (launch with ``mpiexec -n N``); the world size is the
     number of workers. Metrics reach rank 0 through host-side mpi4py calls on a
     communicator of their own, so they never interleave with the algorithms' traffic.

@@ -23,6 +23,7 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +307,7 @@ def pack(
     step: int,
     params: Any,
     opt_state: Any,
+    held: Sequence[int] = (),
     sent_total: np.ndarray,
     received_total: np.ndarray,
     records: list[dict[str, Any]],
@@ -316,8 +318,10 @@ def pack(
     summary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state dict of a checkpoint; ``params`` and ``opt_state`` in ``stacked`` layout
-    (a leading axis over this process's workers). Records, policy changes and summary go
-    as JSON text: it round-trips Python floats exactly and keeps their types."""
+    (a leading axis over this process's workers), except the ``opt_state`` leaves listed in
+    ``held`` (`Backend.held`: rank-uniform state simulated workers hold once), saved once.
+    Records, policy changes and summary go as JSON text: it round-trips Python floats
+    exactly and keeps their types."""
     p_leaves, p_def = _host_leaves(params)
     o_leaves, o_def = _host_leaves(opt_state)
     return {
@@ -325,6 +329,7 @@ def pack(
         "params": p_leaves,
         "opt_state": o_leaves,
         "treedefs": {"params": p_def, "opt_state": o_def},
+        "held": list(held),
         "sent_total": np.asarray(sent_total, np.int64),
         "received_total": np.asarray(received_total, np.int64),
         "records": json.dumps(records),
@@ -337,9 +342,27 @@ def pack(
     }
 
 
-def unpack(state: dict[str, Any], params: Any, opt_state: Any) -> dict[str, Any]:
+def unpack(
+    state: dict[str, Any], params: Any, opt_state: Any, *, held: Sequence[int] = ()
+) -> dict[str, Any]:
     """`pack`'s fields back, ``params`` and ``opt_state`` restored into the structures of
-    the given (freshly initialised, ``stacked`` layout) ones."""
+    the given (freshly initialised, ``stacked`` layout, ``held`` leaves once) ones.
+
+    Raises:
+      CheckpointError: for a checkpoint whose state is held in another layout: one written
+        before simulated workers held rank-uniform state once, or by another backend."""
+    saved_held = state.get("held", [])
+    if list(saved_held) != list(held):
+        raise CheckpointError(
+            "the saved optimizer state holds its rank-uniform leaves (DiLoCo's global model "
+            "and outer state, BMUF's block momentum) "
+            + (f"once at leaves {list(saved_held)}" if saved_held else "once per worker")
+            + ", this run "
+            + (f"once at leaves {list(held)}" if held else "once per worker")
+            + ": it was written by a shoal before simulated workers held that state once "
+            "(or by a changed algorithm); resume it with the shoal that wrote it, or start "
+            "again with --overwrite"
+        )
     out = dict(state)
     out["params"] = _restore_leaves(params, state["params"], state["treedefs"]["params"], "params")
     out["opt_state"] = _restore_leaves(

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shoal.comms import AxisCollective
-from shoal.experiments.runner.backends import AXIS, HostComm
+from shoal.experiments.runner.backends import AXIS, CopyPerWorker, HostComm
 
 FSDP = "fsdp"  # the mesh axis over one worker's devices (devices_per_worker > 1)
 
@@ -91,7 +91,7 @@ def coordinator(comm: Any, bind: str | None = None) -> tuple[str, str]:
     return choice
 
 
-class JaxBackend(HostComm):
+class JaxBackend(HostComm, CopyPerWorker):
     """One worker per device, or per ``devices_per_worker`` devices, of a
     ``jax.distributed`` job launched by ``mpiexec`` (its cluster detection through mpi4py;
     a single process needs no launcher): gloo collectives on CPU, NCCL on GPU nodes. The

@@ -175,7 +175,7 @@ class _Run:
             check_same_model(backend.stacked(same), self.params)
         except ValueError as e:  # a task whose init differs per process: one line, exit 2
             raise ConfigError(f"{entry.label}: {e}") from None
-        self.opt_state = self.spmd(self.tx.init)(self.params)
+        self.opt_state = self.init_state()
         self.sent_total = np.zeros(backend.size, np.int64)
         self.received_total = np.zeros(backend.size, np.int64)
         self.records: list[dict[str, Any]] = []
@@ -196,6 +196,11 @@ class _Run:
         )
         self.step_fn = None  # compiled on the first step (a finished resume needs none)
 
+    def init_state(self) -> Any:
+        """The transformation's state at the start, where every worker has the same params
+        (`Backend.init_state`: simulated workers hold rank-uniform state once)."""
+        return self.backend.init_state(self.tx.init, self.params, self.entry.group_size)
+
     def resume(self, saved: dict[str, Any]) -> None:
         """Continue from a loaded checkpoint: the policy's changes, then the state."""
         self.policy_changes = [(s, d) for s, d in json.loads(saved["policy_changes"])]
@@ -203,10 +208,13 @@ class _Run:
             self.changes.update(decision)
         if self.changes:
             self.tx = self.build(self.comms, changes=self.changes)
-            self.opt_state = self.spmd(self.tx.init)(self.params)
+            self.opt_state = self.init_state()
         backend = self.backend
         state = checkpoint.unpack(
-            saved, backend.stacked(self.params), backend.stacked(self.opt_state)
+            saved,
+            backend.stacked(self.params),
+            backend.stacked(self.opt_state),
+            held=backend.held(self.opt_state),
         )
         self.params, self.opt_state = backend.unstacked((state["params"], state["opt_state"]))
         self.sent_total, self.received_total = state["sent_total"], state["received_total"]
@@ -333,6 +341,7 @@ class _Run:
             step=step,
             params=backend.stacked(self.params),
             opt_state=backend.stacked(self.opt_state),
+            held=backend.held(self.opt_state),
             sent_total=self.sent_total,
             received_total=self.received_total,
             records=self.records,
@@ -405,7 +414,7 @@ def train(
         gathered = run.run_step(step)
         evaluate = step % cfg.eval_every == 0 or step == cfg.steps
         # Every rank takes part in the average; only the root evaluates it.
-        model = evaluation_params(run.params, run.opt_state) if evaluate else None
+        model = evaluation_params(run.params, backend.spread(run.opt_state)) if evaluate else None
         avg = backend.mean_params(model) if evaluate else None
         decision = run.consult_policy(step)
         if backend.is_root:
