@@ -62,6 +62,10 @@ class RunFields:
     # workers at a time (0: all at once), so N workers need not hold N workers' activations
     # at once; the update still runs on all workers together. Must divide workers.
     grad_chunk: int = 0
+    # Steps per compiled program: scan_steps steps run as one jax.lax.scan, one dispatch
+    # (a chunk ends early at every evaluation, checkpoint, policy consultation and the last
+    # step). Records, evaluations and checkpoints are the same; values to rounding.
+    scan_steps: int = 1
 
     # Cluster projection (`shoal.costmodel`): when project_workers > 0, every run's
     # collectives are replayed for that many workers and timed on the preset cluster
@@ -103,6 +107,7 @@ class RunFields:
         for f in ("workers", "steps", "batch_size", "eval_every"):
             check_field(getattr(self, f) >= 1, f, "an int >= 1")
         check_field(self.grad_chunk >= 0, "grad_chunk", "an int >= 0 (0: all workers at once)")
+        check_field(self.scan_steps >= 1, "scan_steps", "an int >= 1 (1: a program per step)")
         check_field(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
         check_field(
             0 <= self.seed <= MAX_SEED,

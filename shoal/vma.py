@@ -70,3 +70,17 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> An
 def switch(index: Any, branches: Sequence[Callable], *operands: Any) -> Any:
     """``lax.switch`` whose branches may disagree on what varies over a manual axis."""
     return lax.switch(index, agreeing(branches, *operands), *operands)
+
+
+def scan(body: Callable, carry: Any, xs: Any) -> tuple[Any, Any]:
+    """``lax.scan(body, carry, xs)`` whose body may change what its carry varies over (a
+    step's byte counters start unvarying, a worker's state varies): the carry, in and out,
+    varies over the union, found by tracing one iteration abstractly."""
+    first = jax.tree.map(lambda x: x[0], xs)
+    axes = joint(carry, jax.eval_shape(lambda c, x: body(c, x)[0], carry, first))
+
+    def agreeing_body(c, x):
+        c, y = body(c, x)
+        return vary_as(c, axes), y
+
+    return lax.scan(agreeing_body, vary_as(carry, axes), xs)

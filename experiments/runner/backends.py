@@ -9,6 +9,8 @@ All backends expose the same small interface to the training loop:
 * ``spmd(fn, group_size=None)``: compile a per-worker function for all of this
   process's workers; with a ``group_size``, ``fn`` may use ``two_tier(group_size)``;
 * ``replicate`` / ``local``: per-worker layout of parameters and of global batches;
+* ``steps_of``: several steps' ``local`` batches as one argument of a program that scans
+  them (``scan_steps``), the steps' axis after this process's rows;
 * ``stacked`` / ``unstacked``: per-worker values to host arrays with a leading axis over
   this process's workers, and back (checkpoints);
 * ``servers``: the dedicated `shoal.comms.ParameterServers` of an MPI run, else None;
@@ -82,6 +84,7 @@ class Backend(Protocol):
     def spmd(self, fn, group_size: int | None = None): ...
     def replicate(self, tree: Any) -> Any: ...
     def local(self, per_worker: np.ndarray, batch: bool = True) -> np.ndarray: ...
+    def steps_of(self, arrays: Any) -> np.ndarray: ...
     def stacked(self, tree: Any) -> Any: ...
     def unstacked(self, tree: Any) -> Any: ...
     def gather(self, tree: Any) -> Any: ...
@@ -264,6 +267,10 @@ class SimBackend(_WholeWorkers):
         """This process's rows of an array with a leading worker axis: all of them."""
         return per_worker
 
+    def steps_of(self, arrays: Any) -> np.ndarray:
+        """Several steps' `local` arrays stacked on axis 1, after the workers'."""
+        return np.stack(arrays, axis=1)
+
     def stacked(self, tree: Any) -> Any:
         """This process's per-worker values with a leading axis over ``local_ranks``."""
         return tree
@@ -381,6 +388,10 @@ class MPIBackend(HostComm, CopyPerWorker, _WholeWorkers):
 
     def local(self, per_worker: np.ndarray, batch: bool = True) -> np.ndarray:
         return per_worker[self.rank]
+
+    def steps_of(self, arrays: Any) -> np.ndarray:
+        """Several steps' `local` arrays stacked on axis 0 (one worker: no workers' axis)."""
+        return np.stack(arrays)
 
     def stacked(self, tree: Any) -> Any:
         return jax.tree.map(lambda a: np.asarray(a)[None], tree)

@@ -241,6 +241,10 @@ class JaxBackend(HostComm, CopyPerWorker):
             [row[(r % k) * share : (r % k + 1) * share] for row, r in zip(rows, self._rows)]
         )
 
+    def steps_of(self, arrays: Any) -> np.ndarray:
+        """Several steps' `local` arrays stacked on axis 1, after the devices' rows."""
+        return np.stack(arrays, axis=1)
+
     def stacked(self, tree: Any) -> Any:
         """This process's per-worker (per-device) values, as NumPy, with a leading axis
         over its rows."""

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 
+from shoal import vma
 from shoal.comms import wire_bytes
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import Entry
@@ -73,6 +74,23 @@ def make_step(loss_fn, tx: optax.GradientTransformation, inject: bool = False, g
     return step
 
 
+def scanned(step, axis: int = 0):
+    """``step(params, opt_state, *batch)`` over a chunk of steps in one ``jax.lax.scan``:
+    every ``batch`` argument has the chunk's steps on ``axis``, and so do the metrics
+    returned (the per-step metrics of ``step``, stacked)."""
+
+    def steps(params, opt_state, *batches):
+        def body(carry, batch):
+            params, opt_state, metrics = step(*carry, *batch)
+            return (params, opt_state), metrics
+
+        to_front = lambda a: jax.numpy.moveaxis(a, axis, 0)
+        carry, metrics = vma.scan(body, (params, opt_state), tuple(map(to_front, batches)))
+        return *carry, jax.tree.map(lambda a: jax.numpy.moveaxis(a, 0, axis), metrics)
+
+    return steps
+
+
 # How the `make_step` metrics of a worker's devices make the worker's (`backend.by_worker`):
 # the loss is the worker's on each of its devices; each device sends and receives its own
 # pieces. The figures say their own (`Readout.by_device`).
@@ -93,14 +111,19 @@ def check_grad_chunk(grad_chunk: int, backend: str, workers: int) -> None:
         raise ConfigError(f"grad_chunk = {grad_chunk} must divide the number of workers {workers}")
 
 
-def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_chunk=0):
+def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_chunk=0, scan=False):
     """`make_step` for all of ``backend``'s workers (``backend.spmd``). With ``grad_chunk = K
     > 0`` (`SimBackend` only) the workers' gradients are computed K workers at a time
     (``jax.lax.map`` over the worker axis, K under ``vmap`` per iteration), so only K
     workers' activations are alive at once; the update, which communicates, still runs
-    under ``vmap`` over all workers. Same results as ``grad_chunk = 0`` up to rounding."""
+    under ``vmap`` over all workers. Same results as ``grad_chunk = 0`` up to rounding.
+
+    With ``scan`` the program runs a chunk of steps (`scanned`): its batches and metrics
+    have the steps on the axis after this process's rows (`Backend.steps_of`); each worker
+    scans its own steps, so its collectives stay inside its program (MPI, mesh)."""
     if not grad_chunk:
-        return backend.spmd(make_step(loss_fn, tx, inject=inject), group_size=group_size)
+        step = make_step(loss_fn, tx, inject=inject)
+        return backend.spmd(scanned(step) if scan else step, group_size=group_size)
     check_grad_chunk(grad_chunk, backend.name, backend.size)
     update = backend.spmd(make_step(loss_fn, tx, inject=inject, given=True), group_size=group_size)
     grad = jax.value_and_grad(loss_fn)
@@ -109,7 +132,8 @@ def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_ch
         loss, grads = jax.lax.map(lambda a: grad(*a), (params, x, y), batch_size=grad_chunk)
         return update(params, opt_state, loss, grads, *fault)
 
-    return jax.jit(step)
+    # The workers' steps in one program: scan the whole step, the workers' axis first.
+    return jax.jit(scanned(step, axis=1) if scan else step)
 
 
 def carry_state(old: Any, new: Any) -> Any:
@@ -183,6 +207,7 @@ class _Run:
         self.summary: dict[str, Any] | None = None
         self.finished = False
         self.injection = cfg.injection()
+        self.scan = cfg.scan_steps > 1  # programs of several steps (`run_steps`)
         # With cfg.grad_chunk the gradients run a chunk of workers at a time
         # (`compile_step`). A worker of several devices: each device differentiates
         # `backend.device_loss`.
@@ -193,6 +218,7 @@ class _Run:
             inject=self.injection is not None,
             group_size=group_size,
             grad_chunk=cfg.grad_chunk,
+            scan=self.scan,
         )
         self.step_fn = None  # compiled on the first step (a finished resume needs none)
 
@@ -235,34 +261,63 @@ class _Run:
             args.append(self.backend.local(fault, batch=False))
         return args
 
-    def run_step(self, step: int) -> Any:
-        """Train step ``step``; returns its metrics gathered on the root (else None)."""
+    def chunk_end(self, step: int, stop: int, saving: bool) -> int:
+        """The last step of the program that starts at ``step``: ``scan_steps`` steps, or
+        fewer to end at ``stop``, at an evaluation, at a policy consultation or, when
+        ``saving``, at a periodic checkpoint: what follows a step on the host sees that
+        step's params and state."""
+        cfg = self.cfg
+        last = min(step + cfg.scan_steps - 1, stop)
+        for s in range(step, last):
+            periodic = saving and cfg.checkpoint_every and s % cfg.checkpoint_every == 0
+            if s % cfg.eval_every == 0 or self.policy_due(s) or periodic:
+                return s
+        return last
+
+    def run_steps(self, first: int, last: int) -> list[Any]:
+        """Train steps ``first`` to ``last`` in one program (a scan with ``scan_steps > 1``);
+        returns each step's metrics gathered on the root (else Nones)."""
         if self.step_fn is None:
             self.step_fn = self.compile(self.tx)
+        backend, n = self.backend, last - first + 1
+        if self.scan:
+            per_step = [self.batch(step) for step in range(first, last + 1)]
+            batch = [backend.steps_of(arrays) for arrays in zip(*per_step)]
+        else:
+            batch = self.batch(first)
         try:
-            self.params, self.opt_state, metrics = self.step_fn(
-                self.params, self.opt_state, *self.batch(step)
-            )
+            self.params, self.opt_state, metrics = self.step_fn(self.params, self.opt_state, *batch)
             memory.ready(metrics)  # an XLA out-of-memory raises here, not hangs in gather
-            return self.backend.gather(self.backend.stacked(metrics))
+            gathered = backend.gather(backend.stacked(metrics))
         except jax.errors.JaxRuntimeError:
-            # nonfinite="raise": every rank raises here, at the same step.
+            # nonfinite="raise": every rank raises here, in the same program.
             raised = take_raised()
             if raised is None:
                 raise
+            steps = f"step {first}" if n == 1 else f"steps {first}-{last}"
             raise NonFiniteGradientError(
-                f"step {step}: {str(raised).partition(';')[0]} "
+                f"{steps}: {str(raised).partition(';')[0]} "
                 f"(nonfinite='raise'; 'skip' would have skipped the step on every worker)"
             ) from None
+        if not self.scan:
+            return [gathered]
+        if gathered is None:
+            return [None] * n
+        # Rows first, then the chunk's steps.
+        return [jax.tree.map(lambda a, k=k: np.asarray(a)[:, k], gathered) for k in range(n)]
+
+    def policy_due(self, step: int) -> bool:
+        """Whether the policy is to be asked after ``step``."""
+        if self.policy is None or step >= self.cfg.steps:
+            return False
+        return self.policy.due(step, self.entry.changed(self.changes)[1])
 
     def consult_policy(self, step: int) -> dict[str, Any] | None:
         """The policy's decision after ``step`` (None: none asked or no change); a change
         rebuilds the transformation and keeps what the new state can use."""
-        if self.policy is None or step >= self.cfg.steps:
+        if not self.policy_due(step):
             return None
         params = self.entry.changed(self.changes)[1]
-        if not self.policy.due(step, params):
-            return None
         root = self.backend.is_root
         decision = self.policy.decide(self.records, params) if root else None
         decision = self.backend.share(decision)
@@ -410,23 +465,29 @@ def train(
     stop = cfg.steps if max_steps is None else min(cfg.steps, first - 1 + max_steps)
     # A bar on a terminal, plain lines in a log file (`progress_bar`).
     bar = progress_bar(cfg.steps, first - 1, run.entry.label, progress and backend.is_root)
-    for step in range(first, stop + 1):
-        gathered = run.run_step(step)
-        evaluate = step % cfg.eval_every == 0 or step == cfg.steps
-        # Every rank takes part in the average; only the root evaluates it.
-        model = evaluation_params(run.params, backend.spread(run.opt_state)) if evaluate else None
-        avg = backend.mean_params(model) if evaluate else None
-        decision = run.consult_policy(step)
-        if backend.is_root:
-            rec = run.record(step, gathered, decision, avg)
-            if on_record is not None:
-                on_record(rec)
-            bar.update(1)
-            if evaluate or step % POSTFIX_EVERY == 0:
-                bar.set_postfix({"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"})
-        periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-        if checkpoints is not None and step < cfg.steps and (periodic or step == stop):
-            run.save(checkpoints, step)
+    start = first
+    while start <= stop:  # a program per chunk of steps (one step unless scan_steps > 1)
+        last = run.chunk_end(start, stop, saving=checkpoints is not None)
+        for step, gathered in zip(range(start, last + 1), run.run_steps(start, last)):
+            evaluate = step % cfg.eval_every == 0 or step == cfg.steps
+            # Every rank takes part in the average; only the root evaluates it.
+            model = (
+                evaluation_params(run.params, backend.spread(run.opt_state)) if evaluate else None
+            )
+            avg = backend.mean_params(model) if evaluate else None
+            decision = run.consult_policy(step)
+            if backend.is_root:
+                rec = run.record(step, gathered, decision, avg)
+                if on_record is not None:
+                    on_record(rec)
+                bar.update(1)
+                if evaluate or step % POSTFIX_EVERY == 0:
+                    postfix = {"loss": f"{rec['loss']:.4f}", "MB sent": f"{rec['mb_sent']:.2f}"}
+                    bar.set_postfix(postfix)
+            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+            if checkpoints is not None and step < cfg.steps and (periodic or step == stop):
+                run.save(checkpoints, step)
+        start = last + 1
     bar.close()
     if stop < cfg.steps:
         return run.result(stop, stop - first + 1)
