@@ -14,13 +14,13 @@ AdamW states persist across rounds (shoal's `diloco` never resets them; neither 
 drjax program). The systems:
 
 * **shoal**: ``shoal.optim.diloco`` under ``jax.jit(jax.vmap(step))`` with
-  `update_and_apply`, the parameters and state donated, one dispatch per inner step: what
-  ``shoal-run`` runs today;
+  `update_and_apply`, the parameters and state donated, one dispatch per inner step, every
+  leaf per worker (what ``shoal-run`` ran before it held the state once);
 * **shoal, held once**: the same, with DiLoCo's rank-uniform state (global model, outer
   optimizer state, counters) passed to vmap unbatched, one copy for all workers
-  (`shoal.optim.helpers.uniform_axes`, `hold_uniform`);
+  (`shoal.optim.helpers.uniform_axes`, `hold_uniform`): what ``shoal-run`` runs;
 * **shoal, held once, scanned**: that, with the H inner steps of a round in one
-  ``lax.scan`` inside one jitted, donated program;
+  ``lax.scan`` inside one jitted, donated program (``shoal-run --set scan_steps=10``);
 * **drjax**: a drjax program (``drjax.program``, ``map_fn``, ``reduce_mean``,
   ``broadcast``) in MaxText's layout: the inner parameters and AdamW states placed, one
   per worker, the global model and the outer optimizer state held once; the H inner steps

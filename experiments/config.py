@@ -28,6 +28,9 @@ __all__ = ["Config", "ConfigError", "RunFields", "TaskFields"]
 # The largest seed: NumPy's default_rng refuses negative seeds, and jax.random.key keeps
 # only the low 32 bits of a seed in its default 32-bit mode (2**32 draws as 0 does).
 MAX_SEED = 2**32 - 1
+# The most steps ``scan_steps = 0`` puts in one program: at 10 the runner's host work per
+# step (waiting for the metrics, recording them) is a tenth (benchmarks/scan_steps.py).
+AUTO_SCAN_STEPS = 10
 
 
 def is_folder_name(name: str) -> bool:
@@ -63,9 +66,11 @@ class RunFields:
     # at once; the update still runs on all workers together. Must divide workers.
     grad_chunk: int = 0
     # Steps per compiled program: scan_steps steps run as one jax.lax.scan, one dispatch
-    # (a chunk ends early at every evaluation, checkpoint, policy consultation and the last
-    # step). Records, evaluations and checkpoints are the same; values to rounding.
-    scan_steps: int = 1
+    # and one wait for the metrics (a program ends early at every evaluation, checkpoint,
+    # policy consultation and the last step). Records, evaluations and checkpoints are the
+    # same. 0: the largest divisor of eval_every up to AUTO_SCAN_STEPS, so that the
+    # programs have one length (one compile); 1: a program per step.
+    scan_steps: int = 0
 
     # Cluster projection (`shoal.costmodel`): when project_workers > 0, every run's
     # collectives are replayed for that many workers and timed on the preset cluster
@@ -107,7 +112,9 @@ class RunFields:
         for f in ("workers", "steps", "batch_size", "eval_every"):
             check_field(getattr(self, f) >= 1, f, "an int >= 1")
         check_field(self.grad_chunk >= 0, "grad_chunk", "an int >= 0 (0: all workers at once)")
-        check_field(self.scan_steps >= 1, "scan_steps", "an int >= 1 (1: a program per step)")
+        check_field(
+            self.scan_steps >= 0, "scan_steps", "an int >= 0 (0: automatic, 1: a program per step)"
+        )
         check_field(self.checkpoint_every >= 0, "checkpoint_every", "an int >= 0 (0: off)")
         check_field(
             0 <= self.seed <= MAX_SEED,
@@ -151,6 +158,13 @@ class RunFields:
             "project_workers",
             f"a multiple of the {per_node} workers per node of {self.project_cluster!r}",
         )
+
+    def steps_per_program(self) -> int:
+        """``scan_steps``, or for 0 the largest divisor of ``eval_every`` up to
+        `AUTO_SCAN_STEPS`."""
+        if self.scan_steps:
+            return self.scan_steps
+        return max(k for k in range(1, AUTO_SCAN_STEPS + 1) if self.eval_every % k == 0)
 
     def injection(self) -> tuple[int, int] | None:
         """``inject_nonfinite`` as ``(step, worker)``; None when unset or malformed."""

@@ -1,9 +1,10 @@
 """``scan_steps``: the runner trains several steps in one compiled program (a
-``jax.lax.scan``). A scanned run is the step-by-step run, record for record (values to
-float32 rounding, bytes exact) with a policy, a skipped NaN, chunked gradients, held
-state, checkpoints and resumption; a program ends where the host needs the state
-(evaluation, policy, checkpoint, the last step); MPI ranks and ``jax.distributed``
-processes scan their own steps and give the simulated run's metrics."""
+``jax.lax.scan``; by default as many as divide ``eval_every``, up to 10). A scanned run is
+the step-by-step run, record for record (values to float32 rounding, bytes exact) with a
+policy, a skipped NaN, chunked gradients, held state, checkpoints and resumption; a
+program ends where the host needs the state (evaluation, policy, checkpoint, the last
+step); a raised NaN names its very step; MPI ranks and ``jax.distributed`` processes scan
+their own steps and give the simulated run's metrics."""
 
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ def chunks_of(monkeypatch) -> list[tuple[int, int]]:
 def test_a_scanned_run_is_the_step_by_step_run(setup, algorithm, monkeypatch):
     cfg, task = setup
     backend = SimBackend(WORKERS)
-    plain = train_module.train(cfg, task, backend, algorithm, progress=False)
+    plain = train_module.train(
+        dataclasses.replace(cfg, scan_steps=1), task, backend, algorithm, progress=False
+    )
     chunks = chunks_of(monkeypatch)
     scanned = train_module.train(
         dataclasses.replace(cfg, scan_steps=4), task, backend, algorithm, progress=False
@@ -118,7 +121,9 @@ def test_programs_end_at_checkpoints_and_resume_alike(setup, tmp_path, monkeypat
     cfg, task = setup
     cfg = dataclasses.replace(cfg, scan_steps=4, checkpoint_every=6)
     backend = SimBackend(WORKERS)
-    whole = train_module.train(cfg, task, backend, "diloco", progress=False)
+    whole = train_module.train(
+        dataclasses.replace(cfg, scan_steps=1), task, backend, "diloco", progress=False
+    )
     chunks = chunks_of(monkeypatch)
     ckpt = Checkpointer(tmp_path, "diloco", cfg, backend)
     first = train_module.train(cfg, task, backend, "diloco", progress=False, checkpoints=ckpt,
@@ -133,16 +138,27 @@ def test_programs_end_at_checkpoints_and_resume_alike(setup, tmp_path, monkeypat
     assert_same_records(whole.records, rest.records)
 
 
-def test_nonfinite_raise_names_the_programs_steps(setup):
+def test_nonfinite_raise_names_the_very_step(setup, monkeypatch):
+    """The NaN of step 3 stops the program of steps 1-4; the runner runs them again one
+    program each, from the same state, and names step 3."""
     cfg, task = setup
     cfg = dataclasses.replace(cfg, scan_steps=4, nonfinite="raise")
-    with pytest.raises(NonFiniteGradientError, match="^steps 1-4: "):
+    chunks = chunks_of(monkeypatch)
+    with pytest.raises(NonFiniteGradientError, match="^step 3: NaN/Inf in the gradient of 1 of"):
         train_module.train(cfg, task, SimBackend(WORKERS), "ssgd", progress=False)
+    assert chunks == [(1, 4), (1, 1), (2, 2), (3, 3)]
 
 
-def test_scan_steps_below_one_is_refused(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="'scan_steps' must be an int >= 1"):
-        apply_overrides(load_config(QUICKSTART), ["scan_steps=0"])
+def test_automatic_scan_steps_divide_eval_every():
+    steps = lambda **kw: dataclasses.replace(load_config(QUICKSTART), **kw).steps_per_program()
+    assert steps(eval_every=25) == 5  # the quickstart's: 200 steps in programs of 5
+    assert steps(eval_every=100) == 10 and steps(eval_every=7) == 7 and steps(eval_every=11) == 1
+    assert steps(eval_every=100, scan_steps=3) == 3
+
+
+def test_negative_scan_steps_are_refused(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="'scan_steps' must be an int >= 0"):
+        apply_overrides(load_config(QUICKSTART), ["scan_steps=-1"])
     args = [str(QUICKSTART), "--no-progress", "--out", str(tmp_path), "--set", "scan_steps=-2"]
     assert main(args) == 2
     assert "scan_steps" in capsys.readouterr().err
@@ -158,7 +174,7 @@ def test_ranks_and_processes_scan_their_own_steps(backend, tmp_path):
     if exe is None:
         pytest.skip("mpiexec not found")
     sim_out, out = tmp_path / "sim", tmp_path / backend
-    assert main([str(QUICKSTART), *SMALL, "--out", str(sim_out)]) == 0
+    assert main([str(QUICKSTART), *SMALL, "scan_steps=1", "--out", str(sim_out)]) == 0
     cli = [sys.executable, "-m", "shoal.experiments.runner.cli", str(QUICKSTART)]
     cmd = [exe, "-n", str(WORKERS), *cli, "--backend", backend, *SMALL, "scan_steps=4",
            "--out", str(out)]  # fmt: skip

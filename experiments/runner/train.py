@@ -207,7 +207,7 @@ class _Run:
         self.summary: dict[str, Any] | None = None
         self.finished = False
         self.injection = cfg.injection()
-        self.scan = cfg.scan_steps > 1  # programs of several steps (`run_steps`)
+        self.scan = cfg.steps_per_program() > 1  # programs of several steps (`run_steps`)
         # With cfg.grad_chunk the gradients run a chunk of workers at a time
         # (`compile_step`). A worker of several devices: each device differentiates
         # `backend.device_loss`.
@@ -267,7 +267,7 @@ class _Run:
         ``saving``, at a periodic checkpoint: what follows a step on the host sees that
         step's params and state."""
         cfg = self.cfg
-        last = min(step + cfg.scan_steps - 1, stop)
+        last = min(step + cfg.steps_per_program() - 1, stop)
         for s in range(step, last):
             periodic = saving and cfg.checkpoint_every and s % cfg.checkpoint_every == 0
             if s % cfg.eval_every == 0 or self.policy_due(s) or periodic:
@@ -294,9 +294,12 @@ class _Run:
             raised = take_raised()
             if raised is None:
                 raise
-            steps = f"step {first}" if n == 1 else f"steps {first}-{last}"
+            if n > 1:
+                # The state is the program's input still: the same steps again, one program
+                # each, raise at the very step (the same NaN, on every rank).
+                return [self.replay(step) for step in range(first, last + 1)]
             raise NonFiniteGradientError(
-                f"{steps}: {str(raised).partition(';')[0]} "
+                f"step {first}: {str(raised).partition(';')[0]} "
                 f"(nonfinite='raise'; 'skip' would have skipped the step on every worker)"
             ) from None
         if not self.scan:
@@ -305,6 +308,15 @@ class _Run:
             return [None] * n
         # Rows first, then the chunk's steps.
         return [jax.tree.map(lambda a, k=k: np.asarray(a)[:, k], gathered) for k in range(n)]
+
+    def replay(self, step: int) -> Any:
+        """Step ``step`` alone, in a program of one step (`run_steps` of one step)."""
+        scan, step_fn = self.scan, self.step_fn
+        self.scan, self.step_fn = False, self.compile(self.tx, scan=False)
+        try:
+            return self.run_steps(step, step)[0]
+        finally:
+            self.scan, self.step_fn = scan, step_fn
 
     def policy_due(self, step: int) -> bool:
         """Whether the policy is to be asked after ``step``."""
