@@ -12,7 +12,7 @@ settings run interleaved, ``--reps`` times each, and the table gives their media
 ratio (below 1: scanning is faster), at the quickstart's size (two hidden layers of 64)
 and at about 1M parameters (two of 1000).
 
-Run: ``.venv/bin/python benchmarks/scan_steps.py`` (about 6 minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/scan_steps.py`` (about 14 minutes on 2 cores).
 """
 
 from __future__ import annotations
