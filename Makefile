@@ -78,12 +78,18 @@ $(GPU_VENV)/.installed: benchmarks/gpu/machine.txt
 	$(GPU_VENV)/bin/python -m pip install -q -r benchmarks/gpu/machine.txt
 	touch $@
 
+# drjax, for the check's peer stage, travels to the GPU machine as its wheel in .whl/ (the
+# device tool carries it); the rehearsal imports it from there too.
+DRJAX_WHEEL := drjax-0.2.1-py3-none-any.whl
+.whl/$(DRJAX_WHEEL):
+	$(GPU_VENV)/bin/python -m pip download -q --no-deps -d .whl drjax==0.2.1
+
 test-gpu-rehearse:
 	@if ! $(PYTHON312) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then \
 		echo "test-gpu-rehearse: no Python 3.12 here (PYTHON312=$(PYTHON312)): not run"; \
 		if [ "$$CI" = true ]; then exit 1; fi; \
 	else \
-		$(MAKE) --no-print-directory $(GPU_VENV)/.installed && \
+		$(MAKE) --no-print-directory $(GPU_VENV)/.installed .whl/$(DRJAX_WHEEL) && \
 		$(GPU_VENV)/bin/python benchmarks/gpu_check.py --rehearse --out runs/gpu-rehearse; \
 	fi
 

@@ -24,12 +24,15 @@ The stages, each in a process of its own with its own time budget (`gpu.record.B
 4. ``simulator``: `sim_scale`'s algorithms at 25M and 125M parameters x 8, 16 (and 64)
    workers: ratios to local SGD and memory (`gpu.simulator`);
 5. ``lm``: S-SGD+AdamW, DiLoCo and Streaming DiLoCo on the byte-level LM at 25M
-   parameters (`gpu.lm`, `experiments/configs/gpu_lm.py`).
+   parameters (`gpu.lm`, `experiments/configs/gpu_lm.py`);
+6. ``peer``: `sim_vs_jax_peer`'s DiLoCo (shoal, held once, scanned; drjax; the JAX floor)
+   at 25M parameters x 8 and 16 workers (`gpu.peer`; drjax travels as its wheel in
+   ``.whl``).
 
 Each stage writes ``DIR/<k>_<stage>.json`` after every row (`gpu.record`), so a stage that
 crashes or overruns keeps what it finished; a stage past its budget is stopped and the
 next one starts. The run also leaves ``DIR/log.txt`` (every stage's output) and
-``DIR/report.md`` (the tables): seven files, within the device tool's eight. Stages after
+``DIR/report.md`` (the tables): eight files, the device tool's limit. Stages after
 ``env`` are not started when ``env`` finds no GPU. Programs compile into a persistent
 cache (``--cache``, default ``/tmp/shoal-gpu-check-cache``), so a second try on the same
 machine starts faster. Exit status 0 when every stage ran and passed.
@@ -76,6 +79,7 @@ TITLES = {
     "kernel_speed": "Kernel speed against a device copy",
     "simulator": "The simulator at research scale",
     "lm": "A short language-model run",
+    "peer": "Simulated DiLoCo against drjax",
 }
 MARGIN = 10  # seconds before its budget at which a stage stops starting new work
 DEFAULT_CACHE = "/tmp/shoal-gpu-check-cache"

@@ -268,18 +268,20 @@ def largest_difference(a, b) -> float:
     )
 
 
-def measure(model, n: int, h: int, reps: int) -> dict[str, Any]:
+def measure(model, n: int, h: int, reps: int, drjax: bool = True) -> dict[str, Any]:
+    """Every system's round at ``n`` workers (without drjax unless ``drjax``): seconds
+    (medians of ``reps`` interleaved rounds), memory and state per worker, and agreement."""
     systems = [
         Shoal(model, n, h, held=False, scanned=False),
         Shoal(model, n, h, held=True, scanned=False),
         Shoal(model, n, h, held=True, scanned=True),
-        DrJAX(model, n, h),
+        *([DrJAX(model, n, h)] if drjax else []),
         Floor(model, n, h),
     ]
     for s in systems:
         s.round()  # untimed: the first round (compiled above, but first runs allocate)
     reference = systems[0].global_model()
-    agree = {s.name: largest_difference(s.global_model(), reference) for s in systems[1:4]}
+    agree = {s.name: largest_difference(s.global_model(), reference) for s in systems[1:-1]}
     times: dict[str, list[float]] = {s.name: [] for s in systems}
     for rep in range(reps):
         k = rep % len(systems)

@@ -47,7 +47,7 @@ def test_every_stage_ran_ok_within_its_budget(rehearsal):
         assert data["status"] == "ok", (name, data["notes"])
         assert data["rehearse"] is True and data["rows"]
         assert 0 < data["seconds"] <= data["budget_s"]
-    # Seven files, within the device tool's eight, none further down than one folder.
+    # Eight files, the device tool's limit, none further down than one folder.
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [stage_file(out, s).name for s in STAGES] + ["log.txt", "report.md"]
     )
@@ -114,6 +114,23 @@ def test_lm_entries_train_and_count_their_bytes(rehearsal):
     # S-SGD sends every step, DiLoCo every 10th, Streaming DiLoCo a quarter of that in fp4.
     assert rows["ssgd_adamw"]["mb_sent"] > 9 * rows["diloco"]["mb_sent"]
     assert rows["diloco"]["mb_sent"] > 4 * rows["streaming_diloco"]["mb_sent"]
+
+
+def test_peer_compares_every_system_and_they_agree(rehearsal):
+    """drjax came from its carried wheel (the rehearsal's .whl/) or the venv; every system
+    ran in every cell, and each global model is shoal's to float32 rounding."""
+    rows = rehearsal[1]["peer"]["rows"]
+    systems = ["shoal", "shoal, held once", "shoal, held once, scanned", "drjax", "JAX floor"]
+    cells = sorted({r["cell"] for r in rows})
+    assert len(cells) == 2 and [c.split()[0] for c in cells] == ["GPT-style", "MLP"]
+    for cell in cells:
+        mine = {r["system"]: r for r in rows if r["cell"] == cell}
+        assert list(mine) == systems
+        assert mine["shoal, held once, scanned"]["vs_held_scanned"] == 1.0
+        for system in systems[1:4]:
+            assert float(mine[system]["diff"]) < 1e-5, (cell, system)
+        # Held once, the state per worker is drjax's, not the stacked one's.
+        assert mine["shoal, held once"]["state_mb"] <= mine["shoal"]["state_mb"]
 
 
 def test_report_has_a_section_per_stage(rehearsal):
