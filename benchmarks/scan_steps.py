@@ -3,16 +3,17 @@ against one program per step, on simulated workers, MPI ranks and ``jax.distribu
 processes.
 
 Each cell is DiLoCo (H = 10 inner steps of momentum SGD, outer Nesterov SGD) on the
-quickstart's mixture task, 4 workers, ``steps`` steps with an evaluation every half, run as
+quickstart's mixture task (or the kungfu config's CNN on glyph images), 4 workers, 400
+steps (the CNN: 200) with an evaluation every half, run as
 the CLI runs it: ``--backend sim`` in this process's interpreter, ``--backend mpi`` and
 ``--backend jax`` as ``mpiexec -n 4``. A run's time per step is read from its
 ``timing.jsonl``: from the end of the first half (after compiling) to the end, so compiles
 and start-up are left out; both halves end with an evaluation either way. The two
 settings run interleaved, ``--reps`` times each, and the table gives their medians and the
-ratio (below 1: scanning is faster), at the quickstart's size (two hidden layers of 64)
-and at about 1M parameters (two of 1000).
+ratio (below 1: scanning is faster), at the quickstart's size (two hidden layers of 64),
+at about 1M parameters (two of 1000), and for the CNN.
 
-Run: ``.venv/bin/python benchmarks/scan_steps.py`` (about 14 minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/scan_steps.py`` (about 20 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.py"
+CONFIGS = ROOT / "experiments" / "configs"
 WORKERS = 4
-SIZES = {"quickstart MLP": "hidden=64,64", "wide MLP": "hidden=1000,1000"}
+# Model -> (config, its --set, steps per run).
+MODELS = {
+    "quickstart MLP": ("quickstart", ["hidden=64,64"], 400),
+    "wide MLP": ("quickstart", ["hidden=1000,1000"], 400),
+    "CNN (kungfu)": ("kungfu", [], 200),
+}
 
 
 def mpiexec() -> str | None:
@@ -39,22 +45,24 @@ def mpiexec() -> str | None:
     return str(venv) if venv.exists() else shutil.which("mpiexec")
 
 
-def parameters(size: str) -> int:
-    """The model's parameter count at ``size``."""
+def parameters(model: str) -> int:
+    """The model's parameter count."""
     from jax.flatten_util import ravel_pytree
 
     from shoal.experiments.overrides import apply_overrides, load_config
     from shoal.experiments.tasks import make_task
 
-    cfg = apply_overrides(load_config(QUICKSTART), [SIZES[size]])
+    config, sets, _ = MODELS[model]
+    cfg = apply_overrides(load_config(str(CONFIGS / f"{config}.py")), sets)
     return ravel_pytree(make_task(cfg).init_params())[0].size
 
 
-def one_run(backend: str, size: str, scan: int, steps: int, out: Path) -> float:
+def one_run(backend: str, model: str, scan: int, out: Path) -> float:
     """Seconds per step of the second half of one ``shoal-run``."""
-    cli = [sys.executable, "-m", "shoal.experiments.runner.cli", str(QUICKSTART)]
+    config, extra, steps = MODELS[model]
+    cli = [sys.executable, "-m", "shoal.experiments.runner.cli", str(CONFIGS / f"{config}.py")]
     sets = [f"steps={steps}", f"eval_every={steps // 2}", "algorithms=diloco",
-            "project_workers=0", f"scan_steps={scan}", SIZES[size]]  # fmt: skip
+            "project_workers=0", f"scan_steps={scan}", *extra]  # fmt: skip
     args = ["--workers", str(WORKERS), "--no-progress", "--overwrite", "--out", str(out),
             "--backend", backend, "--set", *sets]  # fmt: skip
     if backend != "sim":
@@ -70,7 +78,7 @@ def one_run(backend: str, size: str, scan: int, steps: int, out: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scan", type=int, default=10, help="scan_steps to compare with 1")
-    parser.add_argument("--steps", type=int, default=400, help="steps per run")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="runs per setting and cell")
     parser.add_argument("--backends", default="sim,mpi,jax")
     args = parser.parse_args()
@@ -80,27 +88,28 @@ def main() -> None:
     start = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in SIZES:
+        for model in args.models.split(","):
             for backend in backends:
                 times: dict[int, list[float]] = {1: [], args.scan: []}
                 for rep in range(args.reps):
                     order = (1, args.scan) if rep % 2 == 0 else (args.scan, 1)
                     for scan in order:
                         out = Path(tmp) / f"{backend}-{scan}"
-                        times[scan].append(one_run(backend, size, scan, args.steps, out))
+                        times[scan].append(one_run(backend, model, scan, out))
                 one, many = (statistics.median(times[k]) for k in (1, args.scan))
                 ratios = sorted(m / o for m, o in zip(times[args.scan], times[1]))
-                rows.append((size, backend, one, many, many / one, ratios[0], ratios[-1]))
-                print(f"# {size} {backend}: {one * 1e3:.3f} vs {many * 1e3:.3f} ms/step",
+                rows.append((model, backend, one, many, many / one, ratios[0], ratios[-1]))
+                print(f"# {model} {backend}: {one * 1e3:.3f} vs {many * 1e3:.3f} ms/step",
                       file=sys.stderr, flush=True)  # fmt: skip
-    print(f"scan_steps: DiLoCo (H = 10), {WORKERS} workers, {args.steps} steps per run, "
+    steps = ", ".join(f"{m} {MODELS[m][2]}" for m in args.models.split(","))
+    print(f"scan_steps: DiLoCo (H = 10), {WORKERS} workers, steps per run: {steps}; "
           f"medians of {args.reps} interleaved runs per setting\n")  # fmt: skip
     print(f"| model | backend | ms/step, scan_steps=1 | scan_steps={args.scan} | ratio | "
           "ratio range (run pairs) |")  # fmt: skip
     print("|---|---|---:|---:|---:|---|")
-    counts = {size: parameters(size) for size in SIZES}
-    for size, backend, one, many, ratio, lo, hi in rows:
-        model = f"{size} ({counts[size] / 1e6:.3g}M)"
+    counts = {model: parameters(model) for model in {r[0] for r in rows}}
+    for name, backend, one, many, ratio, lo, hi in rows:
+        model = f"{name} ({counts[name] / 1e6:.3g}M)"
         print(f"| {model} | {backend} | {one * 1e3:.3f} | {many * 1e3:.3f} | {ratio:.2f} | "
               f"{lo:.2f}-{hi:.2f} |")  # fmt: skip
     print(f"\ntotal {time.perf_counter() - start:.0f} s; mpi and jax: mpiexec -n {WORKERS} on "

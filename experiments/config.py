@@ -68,9 +68,10 @@ class RunFields:
     # Steps per compiled program: scan_steps steps run as one jax.lax.scan, one dispatch
     # and one wait for the metrics (a program ends early at every evaluation, checkpoint,
     # policy consultation and the last step). Records, evaluations and checkpoints are the
-    # same. 0: the largest divisor of eval_every up to AUTO_SCAN_STEPS, so that the
-    # programs have one length (one compile); 1: a program per step.
-    scan_steps: int = 0
+    # same. 1: a program per step; 0: the largest divisor of eval_every up to
+    # AUTO_SCAN_STEPS, so that the programs have one length (one compile). Not the default:
+    # XLA:CPU runs a conv net's scanned steps 3x slower (benchmarks/scan_steps.py).
+    scan_steps: int = 1
 
     # Cluster projection (`shoal.costmodel`): when project_workers > 0, every run's
     # collectives are replayed for that many workers and timed on the preset cluster

@@ -361,7 +361,8 @@ def block_update_filtering(
         new_state = state_type(local_state, w_g, delta, filtered, state.step + 1, block, wire)
         return out, new_state
 
-    return applying_transformation(name, state_type, init_fn, step_fn, lambda s: s.delta)
+    # BMUFState: what misuse errors name, and what a GroupBMUFState is too.
+    return applying_transformation(name, BMUFState, init_fn, step_fn, lambda s: s.delta)
 
 
 def _lin(a, x, b, y):

@@ -1,5 +1,5 @@
 """``scan_steps``: the runner trains several steps in one compiled program (a
-``jax.lax.scan``; by default as many as divide ``eval_every``, up to 10). A scanned run is
+``jax.lax.scan``; 0: as many as divide ``eval_every``, up to 10). A scanned run is
 the step-by-step run, record for record (values to float32 rounding, bytes exact) with a
 policy, a skipped NaN, chunked gradients, held state, checkpoints and resumption; a
 program ends where the host needs the state (evaluation, policy, checkpoint, the last
@@ -150,10 +150,12 @@ def test_nonfinite_raise_names_the_very_step(setup, monkeypatch):
 
 
 def test_automatic_scan_steps_divide_eval_every():
-    steps = lambda **kw: dataclasses.replace(load_config(QUICKSTART), **kw).steps_per_program()
+    auto = dataclasses.replace(load_config(QUICKSTART), scan_steps=0)
+    steps = lambda **kw: dataclasses.replace(auto, **kw).steps_per_program()
     assert steps(eval_every=25) == 5  # the quickstart's: 200 steps in programs of 5
     assert steps(eval_every=100) == 10 and steps(eval_every=7) == 7 and steps(eval_every=11) == 1
     assert steps(eval_every=100, scan_steps=3) == 3
+    assert load_config(QUICKSTART).steps_per_program() == 1  # the default: a program per step
 
 
 def test_negative_scan_steps_are_refused(tmp_path, capsys):
