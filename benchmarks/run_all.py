@@ -66,8 +66,8 @@ LAUNCH: dict[str, Launch] = {
     "sim_scale": Launch(timeout=2700),
     # DiLoCo against drjax and the JAX floor, 1M MLP and 4M LM x 4, 8, 16: ~15 min on 2 cores.
     "sim_vs_jax_peer": Launch(timeout=2400),
-    # 54 shoal-run jobs, 36 of them under mpiexec -n 4: ~20 min on 2 cores.
-    "scan_steps": Launch(timeout=1800),
+    # 54 shoal-run jobs, 36 of them under mpiexec -n 4: ~25 min on 2 cores.
+    "scan_steps": Launch(timeout=2700),
     # 18 fresh processes, 12 of them importing JAX: under a minute on 2 cores.
     "help_speed": Launch(timeout=300),
 }

@@ -13,7 +13,7 @@ settings run interleaved, ``--reps`` times each, and the table gives their media
 ratio (below 1: scanning is faster), at the quickstart's size (two hidden layers of 64),
 at about 1M parameters (two of 1000), and for the CNN.
 
-Run: ``.venv/bin/python benchmarks/scan_steps.py`` (about 20 minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/scan_steps.py`` (about 25 minutes on 2 cores).
 """
 
 from __future__ import annotations

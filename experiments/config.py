@@ -70,7 +70,7 @@ class RunFields:
     # policy consultation and the last step). Records, evaluations and checkpoints are the
     # same. 1: a program per step; 0: the largest divisor of eval_every up to
     # AUTO_SCAN_STEPS, so that the programs have one length (one compile). Not the default:
-    # XLA:CPU runs a conv net's scanned steps 3x slower (benchmarks/scan_steps.py).
+    # XLA:CPU runs simulated conv nets' scanned steps 2.8x slower (benchmarks/scan_steps.py).
     scan_steps: int = 1
 
     # Cluster projection (`shoal.costmodel`): when project_workers > 0, every run's
