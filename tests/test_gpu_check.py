@@ -118,7 +118,7 @@ def test_lm_entries_train_and_count_their_bytes(rehearsal):
 
 def test_peer_compares_every_system_and_they_agree(rehearsal):
     """drjax came from its carried wheel (the rehearsal's .whl/) or the venv; every system
-    ran in every cell, and each global model is shoal's to float32 rounding."""
+    ran in every cell, and each global model is shoal's to rounding (AdamW-amplified)."""
     rows = rehearsal[1]["peer"]["rows"]
     systems = ["shoal", "shoal, held once", "shoal, held once, scanned", "drjax", "JAX floor"]
     cells = sorted({r["cell"] for r in rows})
@@ -127,8 +127,11 @@ def test_peer_compares_every_system_and_they_agree(rehearsal):
         mine = {r["system"]: r for r in rows if r["cell"] == cell}
         assert list(mine) == systems
         assert mine["shoal, held once, scanned"]["vs_held_scanned"] == 1.0
+        # AdamW's m / sqrt(v) can turn an ulp of a near-zero gradient into up to its step,
+        # 1e-3 (1.2e-4 seen on the tiny LM under the tests' XLA flags); a wrong round moves
+        # the global model by the outer step, about 0.7 x 10 x 1e-3.
         for system in systems[1:4]:
-            assert float(mine[system]["diff"]) < 1e-5, (cell, system)
+            assert float(mine[system]["diff"]) < 1e-3, (cell, system)
         # Held once, the state per worker is drjax's, not the stacked one's.
         assert mine["shoal, held once"]["state_mb"] <= mine["shoal"]["state_mb"]
 
