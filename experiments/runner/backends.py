@@ -61,13 +61,6 @@ def _unmapped(axis: Any) -> bool:
     return axis is None
 
 
-def held_leaves(tree: Any) -> list[int]:
-    """The indices, in ``jax.tree.leaves`` order, of ``tree``'s rank-uniform leaves
-    (`shoal.optim.helpers.uniform_axes`), which simulated workers hold once."""
-    axes = jax.tree.leaves(uniform_axes(tree), is_leaf=_unmapped)
-    return [i for i, a in enumerate(axes) if a is None]
-
-
 class Backend(Protocol):
     """The interface the training loop uses (see the module docstring); `SimBackend`,
     `MPIBackend` and `JaxBackend` implement it."""
@@ -243,8 +236,14 @@ class SimBackend(_WholeWorkers):
         return jax.jit(run)
 
     def held(self, tree: Any) -> list[int]:
-        """The leaf indices of ``tree`` (a state as ``spmd`` returns it) held once."""
-        return held_leaves(tree)
+        """The indices, in ``jax.tree.leaves`` order, of ``tree``'s leaves held once (a
+        state as ``spmd`` returns it)."""
+        # None for an empty subtree (a fragment's outer state elsewhere): no leaf there.
+        flags = jax.tree.map(
+            lambda a, x: None if x is None else a is None, uniform_axes(tree), tree,
+            is_leaf=_unmapped,
+        )  # fmt: skip
+        return [i for i, held in enumerate(jax.tree.leaves(flags)) if held]
 
     def spread(self, tree: Any) -> Any:
         """``tree`` with every leaf held once as host rows for all workers (a read-only

@@ -297,7 +297,7 @@ class _Run:
             if n > 1:
                 # The state is the program's input still: the same steps again, one program
                 # each, raise at the very step (the same NaN, on every rank).
-                return [self.replay(step) for step in range(first, last + 1)]
+                return self.replay(first, last)
             raise NonFiniteGradientError(
                 f"step {first}: {str(raised).partition(';')[0]} "
                 f"(nonfinite='raise'; 'skip' would have skipped the step on every worker)"
@@ -309,12 +309,12 @@ class _Run:
         # Rows first, then the chunk's steps.
         return [jax.tree.map(lambda a, k=k: np.asarray(a)[:, k], gathered) for k in range(n)]
 
-    def replay(self, step: int) -> Any:
-        """Step ``step`` alone, in a program of one step (`run_steps` of one step)."""
+    def replay(self, first: int, last: int) -> list[Any]:
+        """Steps ``first`` to ``last`` again, a program of one step each (`run_steps`)."""
         scan, step_fn = self.scan, self.step_fn
-        self.scan, self.step_fn = False, self.compile(self.tx, scan=False)
+        self.scan, self.step_fn = False, self.compile(self.tx, scan=False)  # compiled once
         try:
-            return self.run_steps(step, step)[0]
+            return [self.run_steps(step, step)[0] for step in range(first, last + 1)]
         finally:
             self.scan, self.step_fn = scan, step_fn
 
