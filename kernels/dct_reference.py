@@ -39,6 +39,7 @@ def dct_matrix(n: int) -> np.ndarray:
     Returns:
       a float64 ``[n, n]`` NumPy array ``D`` with ``D[k, j] = s_k cos(pi (2 j + 1) k /
       (2 n))``, ``s_0 = sqrt(1/n)`` and ``s_k = sqrt(2/n)``; ``D @ D.T`` is the identity.
+      An entry whose cosine is 0 is exactly 0, and entries of equal magnitude are equal.
 
     Example:
       >>> from shoal.kernels.dct_reference import dct_matrix
@@ -46,9 +47,15 @@ def dct_matrix(n: int) -> np.ndarray:
       [2. 0. 0. 0.]
     """
     n = check_int("n", n, 1)
-    k = np.arange(n, dtype=np.float64)[:, None]
-    j = np.arange(n, dtype=np.float64)[None, :]
-    d = np.cos(np.pi * (2 * j + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
+    # The angle is pi a / (2 n) with the integer a = (2 j + 1) k. Folding a into [0, n]
+    # by cos's period and symmetries, exactly in integers, makes the entries equal in
+    # magnitude bitwise equal and the zeros (a = n: the middle element of an odd n at odd
+    # frequencies) exactly 0. np.cos(pi / 2) is 6e-17, whose sign DeMo would act on.
+    a = (2 * np.arange(n)[None, :] + 1) * np.arange(n)[:, None] % (4 * n)
+    a = np.where(a > 2 * n, 4 * n - a, a)  # cos(2 pi - x) = cos(x)
+    sign = np.where(a > n, -1.0, 1.0)
+    a = np.where(a > n, 2 * n - a, a)  # cos(pi - x) = -cos(x)
+    d = np.where(a == n, 0.0, sign * np.cos(np.pi * a / (2 * n))) * np.sqrt(2.0 / n)
     d[0] *= np.sqrt(0.5)
     d.flags.writeable = False  # cached: shared by every caller
     return d

@@ -76,7 +76,9 @@ def _plan(shape: tuple[int, ...], dtype: Any, rank: int, min_compression: float)
         return _Leaf(0, 0, 0, compute)
     n, m = int(shape[0]), int(math.prod(shape[1:]))
     r = min(rank, n, m)
-    if r < 1 or n * m < min_compression * (n + m) * r:
+    # Strict, as PyTorch's _should_compress: a leaf that saves exactly min_compression
+    # travels uncompressed.
+    if r < 1 or not n * m > min_compression * (n + m) * r:
         return _Leaf(n, m, 0, compute)
     return _Leaf(n, m, r, compute)
 
@@ -119,7 +121,9 @@ def powersgd(
     M_i`` on every worker. (The paper's Algorithm 2 subtracts the local approximation
     ``P P^T M_i`` instead; both leave the same sum of errors over the workers.)
 
-    A leaf is compressed when ``n m / ((n + m) r) >= min_compression``. The others, and
+    A leaf is compressed when ``n m / ((n + m) r) > min_compression`` (strictly, as
+    PyTorch's ``_should_compress``: a 4x4 leaf at rank 1 saves exactly 2x and is sent
+    uncompressed at the default). The others, and
     every leaf of ``ndim < 2``, are all-reduced exactly (mean), concatenated into one
     all-reduce per dtype; they keep no error. (PyTorch keeps ``G_i - mean`` as their error,
     which cancels in every later mean; shoal keeps none.)
@@ -148,8 +152,8 @@ def powersgd(
       start_step: updates done by plain all-reduce before compression starts, an int >= 0.
       warm_start: reuse the previous update's ``Q`` (True, as the paper and PyTorch do),
         or draw a fresh seeded normal ``Q`` each update (False).
-      min_compression: compress a leaf only when ``n m / ((n + m) r)`` is at least this,
-        a number > 0.
+      min_compression: compress a leaf only when ``n m / ((n + m) r)`` exceeds this, a
+        number > 0 (PyTorch's ``min_compression_rate``).
       seed: the seed of the initial (and, with ``warm_start=False``, every) ``Q``; the
         same on every worker.
 

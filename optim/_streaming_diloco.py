@@ -11,11 +11,13 @@ at a time instead of all of it at once (the peak bandwidth drops ``F``-fold)::
         u, s_p         = outer.update(delta_p, s_p, theta_g[p])
         theta_g[p]    <- theta_g[p] + u
 
-The workers' fragment then restarts from ``theta_g[p]`` (``overlap = 0``), or, with
-``overlap = tau > 0``, keeps training on its local copy for ``tau`` more updates, while
-the exchange would be in flight, and then mixes it with the new global fragment::
+The workers then merge their fragment with the new global one, on the same update
+(``overlap = 0``) or, with ``overlap = tau > 0``, after training on their local copy for
+``tau`` more updates while the exchange would be in flight::
 
     on update t + tau:   theta_i[p] <- mix theta_i[p] + (1 - mix) theta_g[p]
+
+(``mix = 0`` restarts the fragment from ``theta_g[p]``, as DiLoCo does.)
 
 The exchange is a float32 all-reduce or any `shoal.comms.Compressor` (e.g. 4-bit
 ``Quantized("fp4")`` as in the paper), with its error feedback per fragment in the state.
@@ -164,15 +166,17 @@ def streaming_diloco(
 
     ``s_p = outer.init(params with the leaves outside p set to None)``, one state per
     fragment, so with ``F = 1`` it is diloco's state and with ``F > 1`` each fragment has
-    its own momentum, as in the paper. With ``overlap = 0`` every worker's fragment ``p``
-    becomes ``theta_g[p]`` on the same update (as diloco; ``mix`` is unused). With
-    ``overlap = tau > 0`` the workers keep training fragment ``p`` locally for ``tau``
-    updates (the exchange would be in flight) and after the inner step of update
-    ``t + tau`` mix it with the new global fragment::
+    its own momentum, as in the paper. Every worker then merges its fragment ``p`` with
+    the new global one, after the inner step of update ``t + tau``, ``tau = overlap``::
 
         theta_i[p] <- mix theta_i[p] + (1 - mix) theta_g[p]
 
-    ``num_fragments=1, overlap=0, exchange=None`` is `shoal.optim.diloco` exactly.
+    With ``overlap = 0`` the merge is on the syncing update itself; with ``tau > 0`` the
+    workers keep training fragment ``p`` locally for ``tau`` updates first (the exchange
+    would be in flight). The rule does not depend on the delay, as the paper's merge and
+    torchft's ``fragment_update_alpha`` (the same weight on the local params). ``mix = 0``
+    replaces the fragment by ``theta_g[p]``: ``num_fragments=1, overlap=0, mix=0,
+    exchange=None`` is `shoal.optim.diloco` exactly.
     ``exchange``: None all-reduces the fragment's ``theta_g[p] - theta_i[p]`` leaves in
     float32 (mean); a `shoal.comms.Compressor` averages them flattened into one float32
     vector (``exchange.mean``), with its error feedback per fragment in the state. Only
@@ -200,8 +204,8 @@ def streaming_diloco(
       num_fragments: ``F``, an int in ``[1, number of parameter leaves]``.
       overlap: ``tau``, an int in ``[0, sync_every)``: updates between a fragment's
         outer step and its merge into the local params.
-      mix: in ``[0, 1]``, the local params' weight in the merge when ``overlap > 0``
-        (0: replace by ``theta_g[p]``; the paper's default 0.5).
+      mix: in ``[0, 1]``, the local params' weight in the merge, at every ``overlap``
+        (0: replace by ``theta_g[p]``, as diloco and torchft's default; the paper's 0.5).
       exchange: None (float32 all-reduce) or a `shoal.comms.Compressor` such as
         ``shoal.comms.Quantized("fp4")``.
 
@@ -214,16 +218,17 @@ def streaming_diloco(
     Example:
       Two workers, two one-value fragments ``a`` and ``b``, ``sync_every=2``: ``b`` syncs
       on update 1, ``a`` on update 2. Inner SGD (lr 0.5) pulls worker 0 towards 1 and
-      worker 1 towards 3; with ``outer = optax.sgd(1.0)`` a sync sets the fragment to the
-      workers' mean. ``b``: 0.5 and 1.5 after update 1, synced to 1, then one more inner
-      step (1 and 2); ``a``: 0.75 and 2.25 after update 2, synced to 1.5:
+      worker 1 towards 3; with ``outer = optax.sgd(1.0)`` and ``mix=0`` a sync sets the
+      fragment to the workers' mean. ``b``: 0.5 and 1.5 after update 1, synced to 1,
+      then one more inner step (1 and 2); ``a``: 0.75 and 2.25 after update 2, synced to
+      1.5:
 
       >>> import jax, jax.numpy as jnp, optax
       >>> from shoal.comms import AxisCollective
       >>> from shoal.optim import streaming_diloco
       >>> coll = AxisCollective("workers", 2)
       >>> tx = streaming_diloco(optax.sgd(0.5), collective=coll, sync_every=2,
-      ...                       outer=optax.sgd(1.0), num_fragments=2)
+      ...                       outer=optax.sgd(1.0), num_fragments=2, mix=0.0)
       >>> def train(params, target):
       ...     state = tx.init(params)
       ...     for _ in range(2):
@@ -258,6 +263,13 @@ def streaming_diloco(
     mix = float(mix)
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
+
+    def merged(local, theta_p, params_p, out_p):
+        # The update that takes params_p to the merge of its local step with theta_g[p].
+        # mix = 0 takes theta_g[p] itself, bitwise (no 0 * local, whose NaN would stay).
+        new = theta_p if mix == 0.0 else [mix * x + (1.0 - mix) * g for x, g in zip(local, theta_p)]
+        return [(m - x).astype(o.dtype) for m, x, o in zip(new, params_p, out_p)]
+
     offsets = [p * sync_every // num_fragments for p in range(num_fragments)]
 
     def fragment_tree(treedef, n_leaves, indices, values):
@@ -343,7 +355,7 @@ def streaming_diloco(
                 )
                 theta_p = jax.tree.leaves(apply_updates(theta_tree, u))
                 if overlap == 0:
-                    out_p = [(g - x).astype(o.dtype) for g, x, o in zip(theta_p, params_p, out_p)]
+                    out_p = merged(local, theta_p, params_p, out_p)
                     due = jnp.zeros((), jnp.int32)
                 else:
                     due = (t + overlap).astype(jnp.int32)
@@ -382,9 +394,7 @@ def streaming_diloco(
                 def merge(carry, params_p=params_p, inner_p=inner_p, theta_p=theta_p):
                     out_p, _ = carry
                     local = apply_updates(params_p, inner_p)
-                    merged = [mix * x + (1.0 - mix) * g for x, g in zip(local, theta_p)]
-                    out_p = [(m - x).astype(o.dtype) for m, x, o in zip(merged, params_p, out_p)]
-                    return out_p, jnp.zeros((), jnp.int32)
+                    return merged(local, theta_p, params_p, out_p), jnp.zeros((), jnp.int32)
 
                 since = t - overlap  # the update whose outer step is merged now
                 is_merge = (since >= 1) & ((since - offsets[p]) % sync_every == 0)

@@ -13,6 +13,7 @@ from jax import lax
 from parabola_cases import START, TARGET, descend, on_workers
 
 from shoal.comms import AxisCollective, wire_bytes
+from shoal.kernels.dct_reference import dct_matrix
 from shoal.optim import allreduce_gradients
 from shoal.optim._demo import DeMoState, chunk_length, demo
 
@@ -37,7 +38,9 @@ def dct_np(n):
     for k in range(n):
         scale = np.sqrt(1.0 / n) if k == 0 else np.sqrt(2.0 / n)
         for j in range(n):
-            d[k, j] = scale * np.cos(np.pi * (2 * j + 1) * k / (2 * n))
+            # cos(pi/2 + m pi) is 0, not np.cos's 6e-17 (the middle of an odd n).
+            zero = (2 * j + 1) * k % (2 * n) == n
+            d[k, j] = 0.0 if zero else scale * np.cos(np.pi * (2 * j + 1) * k / (2 * n))
     return d
 
 
@@ -294,6 +297,33 @@ def test_update_checks_the_state_and_tree():
     state = jax.vmap(tx.init)({"w": jnp.zeros((1, 3))})
     with pytest.raises(ValueError, match="demo: the gradient"):
         jax.vmap(tx.update, axis_name="w")({"w": jnp.zeros((1, 4))}, state)
+
+
+@pytest.mark.parametrize("n", range(1, 18))
+def test_dct_basis_is_exactly_zero_where_the_cosine_is(n):
+    """Where ``(2 j + 1) k`` is an odd multiple of ``n`` the basis entry is 0 exactly, in
+    float64 and once cast to float32; every other entry matches the definition, and
+    entries of equal magnitude are bitwise equal (a zero coefficient keeps sign 0)."""
+    d = dct_matrix(n)
+    k, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    zero = (2 * j + 1) * k % (2 * n) == n
+    assert (d[zero] == 0).all() and (d[~zero] != 0).all()
+    assert (np.asarray(jnp.asarray(d, jnp.float32))[zero] == 0).all()
+    np.testing.assert_allclose(d, dct_np(n), rtol=0, atol=1e-14)  # folded: more exact
+    np.testing.assert_allclose(d @ d.T, np.eye(n), rtol=0, atol=1e-14)
+    mags = np.abs(d[1:])  # rows k >= 1 share the scale sqrt(2/n)
+    for v in np.unique(np.round(mags, 12)):
+        assert len(np.unique(mags[np.round(mags, 12) == v])) == 1
+
+
+def test_zero_coefficient_takes_no_step():
+    """The issue's reproducer: an odd-length chunk's middle element has a zero basis value
+    at odd frequencies, so the top-1 component moves it by sign(0) = 0, as the reference
+    DeMo does; a 6e-17 basis entry used to step it by +1."""
+    tx = demo(collective=AxisCollective("workers", 1), chunk_size=8, topk=1)
+    g = jnp.array([[[2.0, 1.0, 0.0, -1.0, -2.0]]])
+    u = jax.vmap(lambda g: tx.update(g, tx.init(g), g)[0], axis_name="workers")(g)
+    np.testing.assert_array_equal(u[0], [[1.0, 1.0, 0.0, -1.0, -1.0]])
 
 
 def test_docstring_example_runs():

@@ -37,7 +37,8 @@ def compressed_rank(shape, rank, min_compression):
         return 0
     n, m = matrix(shape)
     r = min(rank, n, m)
-    return r if n * m / ((n + m) * r) >= min_compression else 0
+    # PyTorch's _should_compress: compressed_size * min_compression_rate < uncompressed.
+    return r if (n + m) * r * min_compression < n * m else 0
 
 
 def orth(a):
@@ -267,6 +268,37 @@ def test_state_is_a_checkpointable_named_tuple():
     for r in a:
         for k in SHAPES:
             np.testing.assert_array_equal(a[r][k], b[r][k])
+
+
+@pytest.mark.parametrize(
+    "shape, rank, compressed",
+    [
+        ((4, 4), 1, False),  # 16 = 2 * 8 * 1: exactly 2x, PyTorch sends it whole
+        ((3, 6), 1, False),  # 18 = 2 * 9 * 1
+        ((8, 8), 2, False),  # 64 = 2 * 16 * 2
+        ((4, 5), 1, True),  # 20 > 18
+        ((8, 9), 2, True),  # 72 > 68
+    ],
+)
+def test_compression_test_is_strict_as_pytorchs(shape, rank, compressed):
+    """A leaf that saves exactly ``min_compression`` (2 by default) is all-reduced whole,
+    as PyTorch's ``_should_compress`` (``compressed * rate < uncompressed``) decides: its
+    state keeps no warm-start Q and its update is the exact mean."""
+    coll = AxisCollective("w", 2)
+    tx = powersgd(rank, collective=coll)
+    grads = jnp.asarray(RNG.normal(size=(2, *shape)), jnp.float32)
+
+    def step(g):
+        updates, state = tx.update(g, tx.init(g))
+        return updates, state.q
+
+    updates, q = jax.vmap(step, axis_name="w")(grads)
+    assert q.shape[1:] == ((math.prod(shape[1:]), rank) if compressed else (0,))
+    mean = np.asarray(grads).mean(0)
+    if compressed:  # rank < min(n, m): a low-rank estimate, not the mean
+        assert np.abs(np.asarray(updates[0]) - mean).max() > 1e-3
+    else:
+        np.testing.assert_allclose(updates[0], mean, rtol=1e-6, atol=1e-6)
 
 
 def test_mismatched_gradient_is_refused():

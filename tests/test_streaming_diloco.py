@@ -86,8 +86,8 @@ def oracle(workers, steps, overlap, mix):
     """Streaming DiLoCo in float64: inner SGD with momentum MU on each worker; fragment p
     (offset p H / F) runs its outer Nesterov SGD step on update t when (t - p H/F) % H == 0
     on delta_p = theta_g[p] - mean_i theta_i[p], with its own momentum; the workers'
-    fragment becomes theta_g[p] at once (overlap 0) or is mixed with it ``overlap``
-    updates later: theta_i[p] <- mix theta_i[p] + (1 - mix) theta_g[p]. Returns every
+    fragment is mixed with it on the same update (overlap 0) or ``overlap`` updates
+    later: theta_i[p] <- mix theta_i[p] + (1 - mix) theta_g[p]. Returns every
     worker's params and theta_g after every step, and the count of outer steps."""
     theta_g = flat(P0)[0].astype(np.float64)
     theta = np.tile(theta_g, (workers, 1))
@@ -106,9 +106,7 @@ def oracle(workers, steps, overlap, mix):
                     theta_g[sl], trace[sl], theta[:, sl].mean(0), OUTER_LR, OUTER_MU
                 )
                 outer_steps += 1
-                if overlap == 0:
-                    theta[:, sl] = theta_g[sl]
-            if overlap and t - overlap >= 1 and (t - overlap - offset) % H == 0:
+            if t - overlap >= 1 and (t - overlap - offset) % H == 0:
                 theta[:, sl] = mix * theta[:, sl] + (1 - mix) * theta_g[sl]
         params.append(theta.copy())
         glob.append(theta_g.copy())
@@ -162,10 +160,31 @@ def test_overlap_differs_from_no_overlap_and_mix_one_keeps_local():
         np.testing.assert_allclose(flat(theta_g), expect_g, **TOL)
 
 
+@pytest.mark.parametrize("mix", [0.0, 0.25, 0.5, 1.0])
+def test_mix_applies_without_overlap(mix):
+    """overlap=0 merges as the paper and torchft's ``DiLoCo(fragment_sync_delay=0,
+    fragment_update_alpha=mix)`` do, by hand: two workers at 0 step by SGD (lr 0.5)
+    towards 1 and 3 (0.5 and 1.5); outer SGD (lr 1) sets theta_g to their mean 1; each
+    worker keeps ``mix x + (1 - mix) 1``. (shoal replaced the fragment, whatever mix.)"""
+    coll = AxisCollective("workers", 2)
+    tx = streaming_diloco(
+        optax.sgd(0.5), collective=coll, sync_every=1, outer=optax.sgd(1.0),
+        num_fragments=1, mix=mix,
+    )  # fmt: skip
+
+    def step(params, target):
+        updates, _ = tx.update(params - target, tx.init(params), params)
+        return params + updates
+
+    got = jax.vmap(step, axis_name="workers")(jnp.zeros((2, 1)), jnp.array([[1.0], [3.0]]))
+    want = [mix * x + (1 - mix) * 1.0 for x in (0.5, 1.5)]
+    np.testing.assert_allclose(got.ravel(), want, rtol=1e-7)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("outer", ["nesterov", "adam"])
 def test_one_fragment_is_diloco(outer):
-    """num_fragments=1, overlap=0, exchange=None is diloco, bit for bit: params, theta_g,
+    """num_fragments=1, overlap=0, mix=0, exchange=None is diloco, bit for bit: params, theta_g,
     the outer state and bytes after every update."""
     sync_every, steps = 3, 10
     make = {"nesterov": nesterov_outer, "adam": lambda: adam(0.3)}[outer]
@@ -173,7 +192,8 @@ def test_one_fragment_is_diloco(outer):
     got = run_workers(
         worker_fn(
             lambda c: streaming_diloco(
-                inner(), collective=c, sync_every=sync_every, outer=make(), num_fragments=1
+                inner(), collective=c, sync_every=sync_every, outer=make(), num_fragments=1,
+                mix=0.0,
             ),
             steps,
         ),

@@ -1,8 +1,9 @@
 """Rank-uniform state held once by simulated workers (`shoal.optim.helpers.uniform_axes`,
 `hold_uniform`): DiLoCo's global model, outer state and counters (Streaming DiLoCo's per
 fragment, BMUF's global model and block momentum) passed to vmap unbatched give the
-stacked run's params and state, over rounds, with a compressed exchange and inside a chain, to float32 rounding (XLA fuses the unbatched arithmetic otherwise: a
-multiply-add contracted differently moves a value by an ulp, and AdamW's steps grow it); a declared
+stacked run's params and state, over rounds, with a compressed exchange and inside a
+chain, to float32 rounding (XLA fuses the unbatched arithmetic otherwise: a multiply-add
+contracted differently moves a value by an ulp, and AdamW's steps grow it); a declared
 field that would differ per worker is refused at trace time; only the declared fields
 are held once."""
 
