@@ -29,6 +29,7 @@ from shoal.optim._peer_averaging import PeerAveragingState, peer_averaging
 from shoal.optim._powersgd import PowerSGDState, powersgd
 from shoal.optim._prefetch import PrefetchingTransformation
 from shoal.optim._sma import SMAState, sma
+from shoal.optim._sparseloco import sparseloco
 from shoal.optim._streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from shoal.optim._topk import TopKState, topk
 
@@ -70,6 +71,7 @@ __all__ = [
     "powersgd",
     "skip_nonfinite",
     "sma",
+    "sparseloco",
     "streaming_diloco",
     "topk",
     "update_and_apply",

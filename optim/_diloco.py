@@ -170,6 +170,19 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
       Models", arXiv:2311.08105, 2023.
     """
+    return diloco_named("diloco", inner, collective, sync_every, outer, exchange)
+
+
+def diloco_named(
+    name: str,
+    inner: optax.GradientTransformation,
+    collective: Collective,
+    sync_every: int,
+    outer: optax.GradientTransformation,
+    exchange: Compressor | None,
+) -> optax.GradientTransformationExtraArgs:
+    """`diloco` whose errors name ``name``: the DiLoCo family's factories that are a
+    DiLoCo with a fixed outer step and exchange (`shoal.optim.sparseloco`) build on it."""
     sync_every = check_outer_args(collective, inner, outer, sync_every, exchange)
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
@@ -191,7 +204,7 @@ def diloco(
         """The update (``apply=False``) or the new params (``apply=True``) and the state:
         applied here, the params ride in the outer step's in-place branch, and an inner
         step is the one pass ``params + u`` (`shoal.optim._applying`)."""
-        require_params("diloco", params)
+        require_params(name, params)
         # Branch on the step counter, the same on every worker: an inner-only update then
         # costs an inner step under vmap too, not a select over the outer step.
         step = uniform_over(collective, state.step)
@@ -240,9 +253,7 @@ def diloco(
         )
         return out, new_state
 
-    return applying_transformation(
-        "diloco", DiLoCoState, init_fn, step_fn, lambda s: s.global_params
-    )
+    return applying_transformation(name, DiLoCoState, init_fn, step_fn, lambda s: s.global_params)
 
 
 def check_outer_args(collective, inner, outer, sync_every, exchange) -> int:

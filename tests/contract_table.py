@@ -275,6 +275,31 @@ ROWS = (
         nonfinite_fma=True,
     ),
     Row(
+        "sparseloco",
+        optim.DiLoCoState,
+        build=lambda c: optim.sparseloco(
+            adamw(1e-3), collective=c, sync_every=2, density=0.5, chunk_size=2
+        ),
+        nonfinite=lambda c: optim.sparseloco(
+            momentum(), collective=c, sync_every=2, density=0.5, chunk_size=2
+        ),
+        parabola=Parabola({"inner": sgd(LR), "sync_every": 4, "density": 0.5, "chunk_size": 2}),
+        inject=Inject(
+            {
+                "inner": sgd(LR),
+                "sync_every": 1,
+                "outer_learning_rate": 0.8,
+                "density": 0.5,
+                "chunk_size": 2,
+            },
+            ("sync_every", "beta", "density", "chunk_size", "value_bits"),
+        ),  # fmt: skip
+        wraps=True,
+        needs_params=True,
+        skip_in_place="apply",
+        nonfinite_fma=True,  # the decay's multiply-add, as diloco's exchange
+    ),
+    Row(
         "streaming_diloco",
         optim.StreamingDiLoCoState,
         build=lambda c: optim.streaming_diloco(

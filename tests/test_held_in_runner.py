@@ -38,9 +38,11 @@ SETS = [
     "streaming_diloco.sync_every=4",
     "streaming_diloco.fragments=2",
     "streaming_diloco.overlap=1",
+    "sparseloco.sync_every=4",
+    "sparseloco.topk.chunk_size=64",
     "project_workers=0",
 ]
-HELD = ("diloco", "streaming_diloco", "muloco", "bmuf")
+HELD = ("diloco", "streaming_diloco", "muloco", "sparseloco", "bmuf")
 
 
 class StackedBackend(SimBackend):

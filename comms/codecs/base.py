@@ -145,6 +145,12 @@ class Compressor:
         """uint8[r, row_bytes(c)] -> float32[r, c]."""
         raise NotImplementedError
 
+    def feedback(self, error: jax.Array) -> jax.Array:
+        """What of the kept worker error joins the next call's input (all of it here; a
+        codec with decayed error feedback, e.g. `shoal.comms.TopK`'s ``error_decay``,
+        scales it)."""
+        return error
+
     # -- what follows from it -------------------------------------------------------
     def padded_size(self, n: int, size: int) -> int:
         """``n_pad``: the smallest length ``>= n`` the pattern can cut into whole rows."""
@@ -240,7 +246,7 @@ def two_phase_mean(
     chunk = n_pad // size
 
     # Worker compression: the padding joins the error feedback like any other element.
-    v = _with_error(parts, worker_error, n_pad)
+    v = _with_error(parts, None if worker_error is None else codec.feedback(worker_error), n_pad)
     rows = codec.encode(v.reshape(size, chunk))  # row r goes to worker r
     if worker_error is not None:
         worker_error = v - codec.decode(rows, chunk).reshape(n_pad)
@@ -291,7 +297,7 @@ def _all_gather_mean(codec: Compressor, parts, memory, collective) -> tuple[jax.
     size = collective.size
     n = sum(p.shape[0] for p in parts)
     n_pad = codec.padded_size(n, size)
-    v = _with_error(parts, memory[0] if memory else None, n_pad)
+    v = _with_error(parts, codec.feedback(memory[0]) if memory else None, n_pad)
     row = codec.encode(v[None])
     if memory:
         memory = (v - codec.decode(row, n_pad)[0],)

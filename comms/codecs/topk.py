@@ -7,9 +7,12 @@ as (value, index) pairs and the rest stays in the error buffer::
     v = pad(x) + e              S = top-k |v| per chunk          e <- v - D(E(v))
     y = (1/P) sum_j D(E(v_j))                                    (one all-gather)
 
-``D`` scatters the values back to their indices (zero elsewhere). With ``value_bits = b``
-the sent values are further quantized, per chunk, to a sign and one of ``2^(b-1)``
-magnitudes spaced evenly up to the chunk's largest sent magnitude ``s``::
+``D`` scatters the values back to their indices (zero elsewhere). With ``error_decay =
+beta < 1`` the kept error decays before it joins the next input, ``v = pad(x) + beta e``:
+SparseLoCo's accumulator ``A <- beta A + Delta``, whose sent part is subtracted.
+
+With ``value_bits = b`` the sent values are further quantized, per chunk, to a sign and
+one of ``2^(b-1)`` magnitudes spaced evenly up to the chunk's largest sent magnitude ``s``::
 
     |v| -> s (j + 1) / 2^(b-1),   j = round(|v| 2^(b-1) / s) - 1 clipped to [0, 2^(b-1) - 1]
 
@@ -57,6 +60,8 @@ class TopK(Compressor):
       chunk_size: ``L``, the values per chunk, or None for the whole buffer.
       value_bits: None (float32 values) or 2, 4 or 8 (a sign and ``2^(b-1)`` magnitudes).
       error_feedback: keep what is not sent (default True).
+      error_decay: ``beta`` in (0, 1], the factor on the kept error before it joins the
+        next call's input (1: plain error feedback; SparseLoCo's 0.95). Keyword-only.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -80,8 +85,15 @@ class TopK(Compressor):
     _: dataclasses.KW_ONLY
     chunk_size: int | None = None
     value_bits: int | None = None
+    error_decay: float = 1.0
 
     def __post_init__(self):
+        b = self.error_decay
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+            raise ValueError(f"error_decay must be a number in (0, 1], got {b!r}")
+        if b != 1 and not self.error_feedback:
+            raise ValueError(f"error_decay = {b!r} needs error_feedback=True (no error to decay)")
+        object.__setattr__(self, "error_decay", float(b))
         f = self.fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"fraction must be a number in (0, 1], got {f!r}")
@@ -150,6 +162,10 @@ class TopK(Compressor):
         dense = jnp.zeros((rows, chunks, chunk), jnp.float32)
         dense = jnp.put_along_axis(dense, idx.astype(jnp.int32), values, axis=-1, inplace=False)
         return dense.reshape(rows, c)
+
+    def feedback(self, error: jax.Array) -> jax.Array:
+        # 1.0 adds the error as it is: bitwise plain error feedback, no multiply.
+        return error if self.error_decay == 1.0 else jnp.float32(self.error_decay) * error
 
     # -- the optional value quantizer -------------------------------------------------
     def _levels(self) -> int:

@@ -223,6 +223,10 @@ class TopKCodec(Hyper):
     chunk_size: int = 64
     value_bits: Literal[0, 2, 4, 8] = 0
 
+    def check(self) -> None:
+        check_field(0 < self.fraction <= 1, "fraction", "a float in (0, 1]")
+        check_field(self.chunk_size >= 1, "chunk_size", "an int >= 1")
+
     def codec(self) -> TopK:
         return TopK(
             fraction=self.fraction, chunk_size=self.chunk_size, value_bits=self.value_bits or None

@@ -14,7 +14,8 @@ the model is small); PGX averages one of two bins of leaves per step; peer avera
 exchanges models with one peer per step; SMA pulls every model a tenth of the way to the
 mean; adaptive switches from S-SGD to PGX once the gradient noise scale passes a
 threshold. DiLoCo (inner AdamW, outer Nesterov SGD every 10 steps), MuLoCo (the same
-with Muon inside) and Streaming DiLoCo (4 fragments syncing in turn), top-k with error
+with Muon inside), Streaming DiLoCo (4 fragments syncing in turn) and SparseLoCo (a
+2-bit top-k of 1.6% of a decaying error-feedback accumulator, untuned), top-k with error
 feedback (1% of each chunk of 64), PowerSGD (rank 4) and DeMo (sign of the mean
 decoupled momentum, SGD at ``demo.learning_rate``)
 complete the table.
@@ -41,6 +42,7 @@ def get_config() -> Config:
             "diloco",
             "muloco",
             "streaming_diloco",
+            "sparseloco",
             "topk",
             "powersgd",
             "demo",

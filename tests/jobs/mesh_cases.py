@@ -68,6 +68,9 @@ FLAT = {
         overlap=1,
         exchange=TopK(fraction=0.5, chunk_size=4),
     ),
+    "sparseloco": lambda: optim.sparseloco(
+        sgd, collective=coll, sync_every=3, beta=0.9, density=0.25, chunk_size=8
+    ),
     "topk": lambda: optax.chain(optim.topk(0.25, collective=coll, chunk_size=4), sgd),
     "powersgd": lambda: optax.chain(optim.powersgd(2, collective=coll, min_compression=1.0), sgd),
     "demo": lambda: optax.chain(optim.demo(collective=coll, chunk_size=4, topk=3), sgd),
