@@ -17,7 +17,7 @@ from harness import QUICKSTART
 from jax import lax
 from optax import contrib
 
-from shoal.comms import AxisCollective
+from shoal.comms import AxisCollective, TopK
 from shoal.dtypes import standard_promotion
 from shoal.experiments.algorithms import resolve
 from shoal.experiments.algorithms.muloco import MuLoCo, Muon
@@ -27,6 +27,7 @@ from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.cli import main
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import GaussianMixtureTask
+from shoal.optim import diloco
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="simulated workers")
 
@@ -51,8 +52,8 @@ def loss(p, x, y):
     return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
 
 
-def oracle() -> dict[str, np.ndarray]:
-    """The global model after ``ROUNDS`` rounds: each worker takes ``H`` steps of optax's
+def oracle(workers: int = WORKERS) -> dict[str, np.ndarray]:
+    """The global model after ``ROUNDS`` rounds: each of ``workers`` takes ``H`` steps of optax's
     Muon (its state kept across rounds: DiLoCo never resets it) from the global model;
     then, in float64 NumPy, the outer Nesterov SGD on the average progress
     ``delta = theta_g - mean_i theta_i``: ``m = mu m + delta``,
@@ -64,10 +65,10 @@ def oracle() -> dict[str, np.ndarray]:
     step = jax.jit(lambda p, s, x, y: inner.update(jax.grad(loss)(p, x, y), s, p))
     theta_g = {k: v.astype(np.float64) for k, v in P0.items()}
     m = {k: np.zeros_like(v) for k, v in theta_g.items()}
-    states = [inner.init(P0) for _ in range(WORKERS)]
+    states = [inner.init(P0) for _ in range(workers)]
     for _ in range(ROUNDS):
         reached = []
-        for i in range(WORKERS):
+        for i in range(workers):
             p = {k: jnp.asarray(v, jnp.float32) for k, v in theta_g.items()}
             for _ in range(H):
                 u, states[i] = step(p, states[i], X[i], Y[i])
@@ -80,10 +81,10 @@ def oracle() -> dict[str, np.ndarray]:
     return theta_g
 
 
-def run_entry(entry, steps: int):
-    """``steps`` updates of the runner's transformation for ``entry`` on ``WORKERS``
+def run_entry(entry, steps: int, workers: int = WORKERS):
+    """``steps`` updates of the runner's transformation for ``entry`` on ``workers``
     simulated workers (vmap over a named axis): every worker's params after each step."""
-    coll = AxisCollective("workers", WORKERS)
+    coll = AxisCollective("workers", workers)
     tx = entry.build(coll)
 
     def worker(x, y):
@@ -98,29 +99,71 @@ def run_entry(entry, steps: int):
         _, trajectory = lax.scan(body, (params, tx.init(params)), None, length=steps)
         return trajectory
 
-    return jax.jit(jax.vmap(worker, axis_name="workers"))(X, Y)
+    return jax.jit(jax.vmap(worker, axis_name="workers"))(X[:workers], Y[:workers])
 
 
-def test_entry_matches_muon_inside_and_a_numpy_outer_step():
-    entry = resolve(ENTRY, CFG)
+@pytest.mark.parametrize("workers", [WORKERS, 1])
+def test_entry_matches_muon_inside_and_a_numpy_outer_step(workers):
+    """K = 2, and K = 1 (the paper's single worker: the outer Nesterov step on one
+    worker's H-step progress)."""
+    entry = resolve(ENTRY, dataclasses.replace(CFG, workers=workers))
     p = entry.params
     assert p == MuLoCo(
         sync_every=H,
         inner=Muon(learning_rate=INNER_LR, adam_learning_rate=ADAM_LR, beta=BETA),
         outer=dataclasses.replace(MuLoCo().outer, learning_rate=OUTER_LR, momentum=OUTER_MU),
     )
-    trajectory = run_entry(entry, H * ROUNDS)
-    want = oracle()
+    trajectory = run_entry(entry, H * ROUNDS, workers)
+    want = oracle(workers)
     for k in want:
         got = np.asarray(trajectory[k])  # [workers, steps, ...]
         # After the last outer step every worker holds the global model.
-        for w in range(WORKERS):
-            np.testing.assert_allclose(got[w, -1], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
-        # Between outer steps the workers part (their data differ).
-        assert not np.allclose(got[0, H - 2], got[1, H - 2])
+        for w in range(workers):
+            np.testing.assert_allclose(got[w, -1], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+        if workers > 1:  # between outer steps the workers part (their data differ)
+            assert not np.allclose(got[0, H - 2], got[1, H - 2])
     # The outer step matters: plain averaging of the workers' models is another model.
     moved = {k: np.asarray(trajectory[k])[0, -1] for k in want}
     assert any(np.abs(moved[k] - np.asarray(P0[k])).max() > 1e-2 for k in want)
+
+
+def test_compressed_exchange_with_error_feedback():
+    """The paper's compressed MuLoCo: the outer gradient as a top-k with 2-bit values and
+    error feedback (``exchange.codec=topk``): the entry is `shoal.optim.diloco` with Muon
+    inside and that `shoal.comms.TopK`, bit for bit, and sends its bytes each round."""
+    entry_text = (
+        ENTRY[:-1]
+        + ";exchange.codec=topk;exchange.topk.fraction=0.25;"
+        + ("exchange.topk.chunk_size=4;exchange.topk.value_bits=2]")
+    )
+    entry = resolve(entry_text, CFG)
+    codec = entry.params.exchange.make()
+    assert codec == TopK(0.25, chunk_size=4, value_bits=2) and codec.error_feedback
+    got = run_entry(entry, H * ROUNDS)
+    plain = run_entry(resolve(ENTRY, CFG), H * ROUNDS)
+    inner = standard_promotion(
+        contrib.muon(INNER_LR, beta=BETA, ns_steps=5, adam_learning_rate=ADAM_LR)
+    )
+    outer = optax.sgd(OUTER_LR, momentum=OUTER_MU, nesterov=True)
+    coll = AxisCollective("workers", WORKERS)
+    tx = diloco(inner, collective=coll, sync_every=H, outer=outer, exchange=codec)
+
+    def worker(x, y):
+        def body(carry, _):
+            p, s = carry
+            u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
+            p = optax.apply_updates(p, u)
+            return (p, s), (p, s.wire.step.sent)
+
+        p0 = jax.tree.map(jnp.asarray, P0)
+        _, out = lax.scan(body, (p0, tx.init(p0)), None, length=H * ROUNDS)
+        return out
+
+    want, sent = jax.jit(jax.vmap(worker, axis_name="workers"))(X, Y)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    n = sum(np.size(v) for v in P0.values())  # 28 values: 7 chunks of 4, one sent of each
+    assert np.asarray(sent[0]).tolist() == [0, 0, codec.wire_bytes(n, WORKERS)[0]] * ROUNDS
+    assert any(not np.allclose(got[k], plain[k]) for k in P0)  # compression changes the run
 
 
 def test_oracle_is_not_diloco_with_adamw():

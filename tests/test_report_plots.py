@@ -216,6 +216,18 @@ SEEDED = ("ssgd", "gtc", "topk", "powersgd", "demo", "onebit_lamb", "bmuf", "dil
           "sma", "lamb", "bfb_allreduce")  # fmt: skip
 
 
+def test_bytes_plot_of_runs_that_sent_nothing(tmp_path):
+    """One worker sends no byte: the bytes plot is drawn on a linear axis at 0 and says
+    why (a log axis with no positive value failed to draw: `shoal-run --workers 1`)."""
+    records = [
+        {**r, "mb_sent": 0.0} for r in seeded_records(names=("diloco", "muloco"), seeds=(0,))
+    ]
+    fig = report.plot_loss(tmp_path / "loss.png", records, "mb_sent", "MB sent")
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert {ax.get_xscale() for ax in fig.axes} == {"linear"}
+    assert "no run sent any bytes" in fig.axes[-1].get_xlabel()
+
+
 def seeded_records(names=SEEDED, seeds=SEEDS, steps=12, every=4) -> list[dict]:
     """Records of every entry and seed: loss (2 + i) / step times (1 + 0.05 seed),
     accuracy 0.5 + 0.02 i + 0.01 seed at every ``every`` steps, bfb_allreduce equal to

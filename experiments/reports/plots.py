@@ -144,6 +144,11 @@ def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str
     raw = {n: band(records, n, "loss", x) for n in names}
     train = {n: band(records, n, "loss", x, per_seed=smooth) for n in names}
     test = {n: band(records, n, "test_loss", x) for n in names}
+    # No run sent a byte (one worker): nothing to put on a log axis, which would fail to
+    # draw. The runs stand at 0 on a linear one, and the label says why.
+    silent = log_x and not any((b.x > 0).any() for b in raw.values())
+    if silent:
+        log_x, xlabel = False, xlabel + "\n(no run sent any bytes)"
     # On a log axis, the points at 0 bytes are left out.
     shown = lambda b: b.x > 0 if log_x else np.ones(len(b.x), bool)  # noqa: E731
     zero = any(not shown(b).all() for b in (*raw.values(), *test.values()))
