@@ -282,6 +282,37 @@ def project(
     return Projection(comm_s=comm, step_s=compute_s + comm)
 
 
+def overlapped(projection: Projection, window_s: float) -> Projection:
+    """A `Projection` whose communication runs behind ``window_s`` seconds of computation:
+    only what does not fit is exposed::
+
+        step_s = compute_s + max(0, comm_s - window_s)
+
+    E.g. an outer all-reduce of DiLoCo overlapped with the next round
+    (`shoal.optim.overlapped_diloco`): project the syncing step, then hide its all-reduce
+    behind the other ``H - 1`` inner steps of a round, ``window_s = (H - 1) compute_s``.
+    ``comm_s`` stays the whole transfer time, so ``comm_fraction`` is no longer its share
+    of the step.
+
+    Args:
+      projection: the blocking projection (`project`).
+      window_s: seconds of computation the communication can hide behind, >= 0.
+
+    Returns:
+      the `Projection` with the exposed communication only in ``step_s``.
+
+    Example:
+      >>> from shoal.costmodel import Projection, overlapped
+      >>> overlapped(Projection(comm_s=3.0, step_s=4.0), window_s=2.0).step_s
+      2.0
+    """
+    window_s = check_real("window_s", window_s)
+    if window_s < 0:
+        raise ValueError(f"window_s must be >= 0, got {window_s!r}")
+    exposed = max(0.0, projection.comm_s - window_s)
+    return Projection(comm_s=projection.comm_s, step_s=projection.compute_s + exposed)
+
+
 def speedup(a: Projection | float, b: Projection | float) -> float:
     """How many times faster ``b`` is than ``a``: ``a.step_s / b.step_s`` (plain numbers are
     step times in seconds). > 1 means ``b`` is faster."""

@@ -24,6 +24,7 @@ from shoal.optim._nonfinite import (
 from shoal.optim._onebit import OneBitAdamState, OneBitLambState, onebit_moments
 from shoal.optim._onebit_adam import onebit_adam
 from shoal.optim._onebit_lamb import onebit_lamb
+from shoal.optim._overlapped_diloco import OverlappedDiLoCoState, overlapped_diloco
 from shoal.optim._partial_exchange import PartialExchangeState, partial_exchange
 from shoal.optim._peer_averaging import PeerAveragingState, peer_averaging
 from shoal.optim._powersgd import PowerSGDState, powersgd
@@ -46,6 +47,7 @@ __all__ = [
     "NoiseScaleState",
     "OneBitAdamState",
     "OneBitLambState",
+    "OverlappedDiLoCoState",
     "PartialExchangeState",
     "PeerAveragingState",
     "PowerSGDState",
@@ -66,6 +68,7 @@ __all__ = [
     "onebit_adam",
     "onebit_lamb",
     "onebit_moments",
+    "overlapped_diloco",
     "partial_exchange",
     "peer_averaging",
     "powersgd",

@@ -275,6 +275,22 @@ ROWS = (
         nonfinite_fma=True,
     ),
     Row(
+        "overlapped_diloco",
+        optim.OverlappedDiLoCoState,
+        build=lambda c: optim.overlapped_diloco(
+            adamw(1e-3), collective=c, sync_every=2, outer=sgd(0.7, momentum=0.9)
+        ),
+        nonfinite=lambda c: optim.overlapped_diloco(
+            momentum(), collective=c, sync_every=2, outer=sgd(0.7, momentum=0.9)
+        ),
+        parabola=Parabola({"inner": sgd(LR), "outer": nesterov, "sync_every": 4}),
+        inject=Inject(
+            {"inner": sgd(LR), "outer": sgd(1.0), "sync_every": 1}, ("sync_every", "variant")
+        ),
+        wraps=True,
+        needs_params=True,
+    ),
+    Row(
         "sparseloco",
         optim.DiLoCoState,
         build=lambda c: optim.sparseloco(

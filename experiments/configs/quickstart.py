@@ -15,7 +15,9 @@ exchanges models with one peer per step; SMA pulls every model a tenth of the wa
 mean; adaptive switches from S-SGD to PGX once the gradient noise scale passes a
 threshold. DiLoCo (inner AdamW, outer Nesterov SGD every 10 steps), MuLoCo (the same
 with Muon inside), Streaming DiLoCo (4 fragments syncing in turn) and SparseLoCo (a
-2-bit top-k of 1.6% of a decaying error-feedback accumulator, untuned), top-k with error
+2-bit top-k of 1.6% of a decaying error-feedback accumulator, untuned), eager overlapped
+DiLoCo (the last round's mean with this worker's fresh share, DiLoCo's outer step), top-k
+with error
 feedback (1% of each chunk of 64), PowerSGD (rank 4) and DeMo (sign of the mean
 decoupled momentum, SGD at ``demo.learning_rate``)
 complete the table.
@@ -43,6 +45,7 @@ def get_config() -> Config:
             "muloco",
             "streaming_diloco",
             "sparseloco",
+            "overlapped_diloco",
             "topk",
             "powersgd",
             "demo",

@@ -68,6 +68,12 @@ FLAT = {
         overlap=1,
         exchange=TopK(fraction=0.5, chunk_size=4),
     ),
+    "overlapped_diloco": lambda: optim.overlapped_diloco(
+        sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7, momentum=0.9)
+    ),
+    "overlapped_delayed": lambda: optim.overlapped_diloco(
+        sgd, collective=coll, sync_every=2, outer=optax.sgd(0.7), variant="delayed"
+    ),
     "sparseloco": lambda: optim.sparseloco(
         sgd, collective=coll, sync_every=3, beta=0.9, density=0.25, chunk_size=8
     ),
