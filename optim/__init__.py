@@ -11,6 +11,7 @@ from shoal.optim._bfb import BFBState, bfb_allreduce
 from shoal.optim._bmuf import BMUFState, bmuf
 from shoal.optim._bmuf_gtc import bmuf_gtc
 from shoal.optim._demo import DeMoState, demo
+from shoal.optim._desloc import DESLOCState, desloc
 from shoal.optim._diloco import DiLoCoState, diloco
 from shoal.optim._gtc import GTCState, gtc
 from shoal.optim._noise_scale import NoiseScaleState, gradient_noise_scale
@@ -39,6 +40,7 @@ __all__ = [
     "ApplyingTransformation",
     "BFBState",
     "BMUFState",
+    "DESLOCState",
     "DeMoState",
     "DiLoCoState",
     "GTCState",
@@ -62,6 +64,7 @@ __all__ = [
     "bmuf",
     "bmuf_gtc",
     "demo",
+    "desloc",
     "diloco",
     "gradient_noise_scale",
     "gtc",

@@ -160,6 +160,21 @@ ROWS = (
         inject=Inject({"chunk_size": 4, "topk": 2}, ("chunk_size", "topk", "sign")),
     ),
     Row(
+        "desloc",
+        optim.DESLOCState,
+        build=lambda c: optim.desloc(1e-3, collective=c, sync_every=2),
+        nonfinite=lambda c: optim.desloc(NONFINITE_LR, collective=c, sync_every=2),
+        # No bias correction (the paper's equations): steps of about 3 lr at first, so a
+        # decaying rate lets the iterate settle on the minimum.
+        parabola=Parabola({"learning_rate": DECAYING, "sync_every": 2}),
+        inject=Inject(
+            {"learning_rate": 0.05, "sync_every": 2},
+            ("sync_every", "moment_every", "second_moment_every"),
+        ),
+        needs_params=True,
+        nonfinite_fma=True,
+    ),
+    Row(
         "diloco",
         optim.DiLoCoState,
         build=lambda c: optim.diloco(

@@ -16,8 +16,9 @@ mean; adaptive switches from S-SGD to PGX once the gradient noise scale passes a
 threshold. DiLoCo (inner AdamW, outer Nesterov SGD every 10 steps), MuLoCo (the same
 with Muon inside), Streaming DiLoCo (4 fragments syncing in turn) and SparseLoCo (a
 2-bit top-k of 1.6% of a decaying error-feedback accumulator, untuned), eager overlapped
-DiLoCo (the last round's mean with this worker's fresh share, DiLoCo's outer step), top-k
-with error
+DiLoCo (the last round's mean with this worker's fresh share, DiLoCo's outer step),
+DES-LOC (local Adam, the params averaged every 10 steps, the moments every 30 and 60),
+top-k with error
 feedback (1% of each chunk of 64), PowerSGD (rank 4) and DeMo (sign of the mean
 decoupled momentum, SGD at ``demo.learning_rate``)
 complete the table.
@@ -46,6 +47,7 @@ def get_config() -> Config:
             "streaming_diloco",
             "sparseloco",
             "overlapped_diloco",
+            "desloc",
             "topk",
             "powersgd",
             "demo",

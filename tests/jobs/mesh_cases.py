@@ -55,6 +55,7 @@ FLAT = {
     "skip_nonfinite": lambda: optim.skip_nonfinite(
         optax.chain(optim.allreduce_gradients(collective=coll), sgd), collective=coll
     ),
+    "desloc": lambda: optim.desloc(0.01, collective=coll, sync_every=2, moment_every=3),
     "diloco": lambda: optim.diloco(sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7)),
     "diloco_fp4": lambda: optim.diloco(
         sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7), exchange=Quantized("fp4", 8)
