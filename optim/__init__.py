@@ -32,6 +32,7 @@ from shoal.optim._powersgd import PowerSGDState, powersgd
 from shoal.optim._prefetch import PrefetchingTransformation
 from shoal.optim._sma import SMAState, sma
 from shoal.optim._sparseloco import sparseloco
+from shoal.optim._sparta import SpartaState, sparta
 from shoal.optim._streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from shoal.optim._topk import TopKState, topk
 
@@ -57,6 +58,7 @@ __all__ = [
     "SMAState",
     "SkipNonFiniteState",
     "SkipNonFiniteTransformation",
+    "SpartaState",
     "StreamingDiLoCoState",
     "TopKState",
     "allreduce_gradients",
@@ -78,6 +80,7 @@ __all__ = [
     "skip_nonfinite",
     "sma",
     "sparseloco",
+    "sparta",
     "streaming_diloco",
     "topk",
     "update_and_apply",

@@ -331,6 +331,16 @@ ROWS = (
         nonfinite_fma=True,  # the decay's multiply-add, as diloco's exchange
     ),
     Row(
+        "sparta",
+        optim.SpartaState,
+        build=lambda c: optim.sparta(adamw(1e-3), collective=c, fraction=0.5),
+        nonfinite=lambda c: optim.sparta(momentum(), collective=c, fraction=0.5),
+        parabola=Parabola({"inner": sgd(LR), "fraction": 0.5}),
+        inject=Inject({"inner": sgd(LR), "fraction": 0.5}, ("fraction", "seed")),
+        wraps=True,
+        needs_params=True,
+    ),
+    Row(
         "streaming_diloco",
         optim.StreamingDiLoCoState,
         build=lambda c: optim.streaming_diloco(

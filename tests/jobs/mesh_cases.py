@@ -78,6 +78,12 @@ FLAT = {
     "sparseloco": lambda: optim.sparseloco(
         sgd, collective=coll, sync_every=3, beta=0.9, density=0.25, chunk_size=8
     ),
+    "sparta": lambda: optim.sparta(sgd, collective=coll, fraction=0.2),
+    "sparta_diloco": lambda: optim.sparta(
+        optim.diloco(sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7)),
+        collective=coll,
+        fraction=0.1,
+    ),
     "topk": lambda: optax.chain(optim.topk(0.25, collective=coll, chunk_size=4), sgd),
     "powersgd": lambda: optax.chain(optim.powersgd(2, collective=coll, min_compression=1.0), sgd),
     "demo": lambda: optax.chain(optim.demo(collective=coll, chunk_size=4, topk=3), sgd),
