@@ -15,6 +15,7 @@ from shoal.optim._desloc import DESLOCState, desloc
 from shoal.optim._diloco import DiLoCoState, diloco
 from shoal.optim._gtc import GTCState, gtc
 from shoal.optim._noise_scale import NoiseScaleState, gradient_noise_scale
+from shoal.optim._noloco import NoLoCoState, noloco
 from shoal.optim._nonfinite import (
     NONFINITE_POLICIES,
     NonFiniteGradientError,
@@ -47,6 +48,7 @@ __all__ = [
     "GTCState",
     "NONFINITE_POLICIES",
     "NonFiniteGradientError",
+    "NoLoCoState",
     "NoiseScaleState",
     "OneBitAdamState",
     "OneBitLambState",
@@ -70,6 +72,7 @@ __all__ = [
     "diloco",
     "gradient_noise_scale",
     "gtc",
+    "noloco",
     "onebit_adam",
     "onebit_lamb",
     "onebit_moments",

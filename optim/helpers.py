@@ -1,6 +1,6 @@
 """Helpers that read or plan what a transformation does, beside the factories of
 `shoal.optim`: the gradient noise scale of a monitor's state, the peers of a step of peer
-averaging, the bins of partial exchange, Streaming DiLoCo's fragments, the error
+averaging, NoLoCo's pairings, the bins of partial exchange, Streaming DiLoCo's fragments, the error
 ``nonfinite="raise"`` raised inside a compiled step, the check that every worker
 starts from the same model, and the axes that let simulated workers hold rank-uniform
 state once.
@@ -12,6 +12,7 @@ Example:
 """
 
 from shoal.optim._noise_scale import noise_scale
+from shoal.optim._noloco import pairing
 from shoal.optim._nonfinite import take_raised
 from shoal.optim._partial_exchange import partial_exchange_bins
 from shoal.optim._peer_averaging import peer_permutation
@@ -24,6 +25,7 @@ __all__ = [
     "check_same_model",
     "hold_uniform",
     "noise_scale",
+    "pairing",
     "peer_permutation",
     "partial_exchange_bins",
     "same_model_check",

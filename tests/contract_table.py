@@ -290,6 +290,16 @@ ROWS = (
         nonfinite_fma=True,
     ),
     Row(
+        "noloco",
+        optim.NoLoCoState,
+        build=lambda c: optim.noloco(adamw(1e-3), collective=c, sync_every=2),
+        nonfinite=lambda c: optim.noloco(momentum(), collective=c, sync_every=2),
+        parabola=Parabola({"inner": sgd(LR), "sync_every": 4}),
+        inject=Inject({"inner": sgd(LR), "sync_every": 2, "gamma": 0.2}, ("sync_every", "seed")),
+        wraps=True,
+        needs_params=True,
+    ),
+    Row(
         "overlapped_diloco",
         optim.OverlappedDiLoCoState,
         build=lambda c: optim.overlapped_diloco(

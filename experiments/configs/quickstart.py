@@ -18,7 +18,8 @@ with Muon inside), Streaming DiLoCo (4 fragments syncing in turn) and SparseLoCo
 2-bit top-k of 1.6% of a decaying error-feedback accumulator, untuned), eager overlapped
 DiLoCo (the last round's mean with this worker's fresh share, DiLoCo's outer step),
 DES-LOC (local Adam, the params averaged every 10 steps, the moments every 30 and 60),
-SPARTA (local AdamW, 0.5% of each leaf averaged after every step), top-k with error
+SPARTA (local AdamW, 0.5% of each leaf averaged after every step), NoLoCo (DiLoCo's
+rounds averaged with one random peer, untuned), top-k with error
 feedback (1% of each chunk of 64), PowerSGD (rank 4) and DeMo (sign of the mean
 decoupled momentum, SGD at ``demo.learning_rate``)
 complete the table.
@@ -49,6 +50,7 @@ def get_config() -> Config:
             "overlapped_diloco",
             "desloc",
             "sparta",
+            "noloco",
             "topk",
             "powersgd",
             "demo",

@@ -69,6 +69,7 @@ FLAT = {
         overlap=1,
         exchange=TopK(fraction=0.5, chunk_size=4),
     ),
+    "noloco": lambda: optim.noloco(sgd, collective=coll, sync_every=2, gamma=0.3),
     "overlapped_diloco": lambda: optim.overlapped_diloco(
         sgd, collective=coll, sync_every=3, outer=optax.sgd(0.7, momentum=0.9)
     ),
