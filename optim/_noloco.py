@@ -82,14 +82,25 @@ def _pool(size: int, seed: int) -> tuple[tuple[int, ...], ...]:
 
 
 def pairing(size: int, outer_step: int, seed: int = 0) -> tuple[int, ...]:
-    """The pairing `noloco` uses at its 0-based outer step ``outer_step`` (host-side):
-    ``p[i]`` is worker ``i``'s peer (``i`` itself: alone this round, for an odd ``size``).
+    """The pairing `noloco` uses at its 0-based outer step ``outer_step`` (host-side).
+
+    Args:
+      size: the number of workers, an int >= 1.
+      outer_step: the 0-based outer step, an int >= 0.
+      seed: `noloco`'s ``seed``, an int >= 0.
+
+    Returns:
+      a tuple ``p`` of ``size`` ints: ``p[i]`` is worker ``i``'s peer (``i`` itself:
+      alone this round, for an odd ``size``), and ``p[p[i]] == i``.
 
     Example:
       >>> from shoal.optim.helpers import pairing
       >>> p = pairing(4, 0)
       >>> sorted(p) == [0, 1, 2, 3] and all(p[p[i]] == i != p[i] for i in range(4))
       True
+
+    References:
+      Kolehmainen et al., "NoLoCo", arXiv:2506.10911, 2025 (pairs of random peers).
     """
     check_int("size", size, 1)
     check_int("outer_step", outer_step, 0)
