@@ -66,6 +66,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         inter_latency=5e-6,
         gamma=1 / _GPU_REDUCE,
     ),
+    # Workers that are each a site of their own (one per node) over a 1 Gbps wide-area
+    # link, the setting of DiLoCo's successors ("over the internet", DiLoCoX's 1 Gbps).
+    # Latency 10 ms one way: a continental round trip of ~20 ms (assumption). The intra
+    # link is never used with one worker per node; it is set to the inter one.
+    "wan-1gbps": dict(
+        workers_per_node=1,
+        intra_bandwidth=1 * GBPS,
+        intra_latency=10e-3,
+        inter_bandwidth=1 * GBPS,
+        inter_latency=10e-3,
+        gamma=1 / _GPU_REDUCE,
+    ),
     # Herring (SC 2020): p3dn.24xlarge, 8 x V100 with NVLink, 100 Gbps EFA. A single endpoint
     # gets ~70 Gbps; Herring's proxy servers use the whole 100 Gbps (section III-3), so 100.
     # Latency 20 us: EFA/SRD one-way latency is of the order of 15-20 us (assumption).

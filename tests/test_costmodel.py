@@ -146,6 +146,10 @@ def test_presets():
         assert c.intra_bandwidth > c.inter_bandwidth and c.gamma > 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.nodes = 4
+    # One worker per site over 1 Gbps: every exchange crosses the wide-area link.
+    wan = Cluster.preset("wan-1gbps", 64)
+    assert (wan.workers, wan.workers_per_node) == (64, 1)
+    assert wan.inter_bandwidth == pytest.approx(1e9 / 8) and wan.inter_latency == 10e-3
 
 
 def test_step_comm_time_by_hand():
