@@ -105,12 +105,14 @@ def nesterov_outer_step(theta_g, trace, mean, lr, mu):
     return theta_g - lr * (delta + mu * trace), trace
 
 
-def block_worker(make_tx, steps, loss_fn=loss, apply=False):
+def block_worker(make_tx, steps, loss_fn=loss, apply=False, reference=None):
     """Worker fn ``(collective, p0, x, y)`` for `harness.run_workers`: broadcast rank 0's
     params, init ``make_tx(collective)``, then ``steps`` updates on ``loss_fn``. Returns
-    the params, the global params and this step's wire bytes after every step, and the
-    final state. ``apply``: each step by `update_and_apply` (the params in the
-    synchronisation's branch), else the optax way."""
+    the params, ``reference(state)`` (default: the global params) and this step's wire
+    bytes after every step, and the final state. ``apply``: each step by
+    `update_and_apply` (the params in the synchronisation's branch), else the optax way."""
+    if reference is None:
+        reference = lambda s: s.global_params  # noqa: E731
 
     def worker(coll, p0, x, y):
         params = coll.broadcast(p0, 0)
@@ -124,7 +126,7 @@ def block_worker(make_tx, steps, loss_fn=loss, apply=False):
             else:
                 u, s = opt.update(jax.grad(loss_fn)(p, x, y), s, p)
                 p = optax.apply_updates(p, u)
-            return (p, s), (p, s.global_params, wire_bytes(s, "step"))
+            return (p, s), (p, reference(s), wire_bytes(s, "step"))
 
         (_, state), traj = lax.scan(body, (params, state), None, length=steps)
         return traj, state

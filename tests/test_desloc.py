@@ -4,9 +4,8 @@ rank-agnostic)."""
 
 import jax
 import numpy as np
-import optax
 import pytest
-from block_cases import flat, linear_problem, loss
+from block_cases import block_worker, flat, linear_problem
 from harness import n_workers, run_workers
 from jax import lax
 
@@ -51,21 +50,9 @@ def make(k_x, k_u, k_v):
 
 
 def worker_fn(make_tx):
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        tx = make_tx(coll)
-
-        def body(carry, _):
-            p, s = carry
-            # The gradient at the params before this update's averaging (the oracle's).
-            u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
-            return (p, s), (p, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, tx.init(params)), None, length=STEPS)
-        return traj, state
-
-    return worker
+    """`block_worker`: the params, the step count and this step's wire bytes after every
+    step, and the final state."""
+    return block_worker(make_tx, STEPS, reference=lambda s: s.step)
 
 
 @pytest.mark.mpi
@@ -76,7 +63,7 @@ def test_matches_oracle(periods):
     ring = 2 * (N - 1) * PROBLEM.n_bytes // N  # one param-sized float32 all-reduce
     k_x, k_u, k_v = periods
     want = [ring * sum(t % k == 0 for k in (k_x, k_u, k_v)) for t in range(1, STEPS + 1)]
-    for rank, ((params, wire), state) in out.items():
+    for rank, ((params, _, wire), state) in out.items():
         assert isinstance(state, DESLOCState) and int(state.step) == STEPS
         np.testing.assert_allclose(flat(params), expect[:, rank], **TOL)
         assert np.asarray(wire.sent).tolist() == want

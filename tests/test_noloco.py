@@ -6,11 +6,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from block_cases import flat, linear_problem, loss
+from block_cases import block_worker, flat, linear_problem
 from harness import n_workers, run_workers
-from jax import lax
 
-from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms import AxisCollective
 from shoal.optim import NoLoCoState, diloco, noloco
 from shoal.optim.helpers import pairing
 
@@ -55,22 +54,15 @@ def make(gamma=GAMMA):
     )  # fmt: skip
 
 
+def slow_weights(state):
+    """NoLoCo's slow weights, or DiLoCo's global model (the comparison's)."""
+    return state.slow if isinstance(state, NoLoCoState) else state.global_params
+
+
 def worker_fn(make_tx):
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        tx = make_tx(coll)
-
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
-            slow = s.slow if isinstance(s, NoLoCoState) else s.global_params
-            return (p, s), (p, slow, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, tx.init(params)), None, length=H * ROUNDS)
-        return traj, state
-
-    return worker
+    """`block_worker`: the params, the slow weights and this step's wire bytes after every
+    step, and the final state."""
+    return block_worker(make_tx, H * ROUNDS, reference=slow_weights)
 
 
 @pytest.mark.mpi

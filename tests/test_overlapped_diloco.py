@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import optax
 import pytest
-from block_cases import flat, linear_problem, loss, nesterov_outer_step
+from block_cases import block_worker, flat, linear_problem, loss, nesterov_outer_step
 from harness import n_workers, run_workers
 from jax import lax
 
-from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms import AxisCollective
 from shoal.costmodel import Projection, overlapped
 from shoal.optim import OverlappedDiLoCoState, diloco, overlapped_diloco
 
@@ -64,21 +64,10 @@ def make(variant):
     )
 
 
-def worker_fn(make_tx, steps=H * ROUNDS):
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        tx = make_tx(coll)
-
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
-            return (p, s), (p, s.start, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, tx.init(params)), None, length=steps)
-        return traj, state
-
-    return worker
+def worker_fn(make_tx):
+    """`block_worker`: the params, the rounds' starts and this step's wire bytes after every
+    step, and the final state."""
+    return block_worker(make_tx, H * ROUNDS, reference=lambda s: s.start)
 
 
 @pytest.mark.mpi

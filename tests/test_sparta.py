@@ -9,11 +9,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from block_cases import flat, linear_problem, loss, nesterov_outer_step
+from block_cases import block_worker, flat, linear_problem, nesterov_outer_step
 from harness import n_workers, run_workers
-from jax import lax
 
-from shoal.comms import AxisCollective, wire_bytes
+from shoal.comms import AxisCollective
 from shoal.optim import SpartaState, diloco, sparta
 
 N = n_workers()
@@ -71,20 +70,9 @@ def make(with_diloco=False):
 
 
 def worker_fn(make_tx):
-    def worker(coll, p0, x, y):
-        params = coll.broadcast(p0, 0)
-        tx = make_tx(coll)
-
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
-            p = optax.apply_updates(p, u)
-            return (p, s), (p, wire_bytes(s, "step"))
-
-        (_, state), traj = lax.scan(body, (params, tx.init(params)), None, length=STEPS)
-        return traj, state
-
-    return worker
+    """`block_worker`: the params, the step count and this step's wire bytes after every
+    step, and the final state."""
+    return block_worker(make_tx, STEPS, reference=lambda s: s.step)
 
 
 @pytest.mark.mpi
@@ -96,7 +84,7 @@ def test_matches_oracle(with_diloco):
     assert k == 1 + 3  # b: ceil(0.6), w: ceil(2.4)
     ring = 2 * (N - 1) * 4 * k // N
     diloco_ring = 2 * (N - 1) * PROBLEM.n_bytes // N
-    for rank, ((params, wire), state) in out.items():
+    for rank, ((params, _, wire), state) in out.items():
         assert isinstance(state, SpartaState) and int(state.step) == STEPS
         np.testing.assert_allclose(flat(params), expect[:, rank], **TOL)
         # SPARTA's every update, plus DiLoCo's on its syncing ones (its meter is in the
