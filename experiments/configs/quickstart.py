@@ -1,6 +1,6 @@
 """Quickstart: S-SGD, GTC, BMUF, two-tier BMUF_GTC, LAMB and 1-bit LAMB, Herring's BFB,
 KungFu's partial gradient exchange (PGX), peer model averaging, SMA and the adaptive
-policy on 8 simulated workers, about 1.5 minutes on 2 CPU cores.
+policy on 8 simulated workers, about 2.5 minutes on 2 CPU cores.
 
 Run with ``shoal-run experiments/configs/quickstart.py --workers 8`` (``make run``).
 BMUF syncs every 10 steps; BMUF_GTC runs GTC inside 2 groups of 4 workers and BMUF
