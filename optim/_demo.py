@@ -33,8 +33,8 @@ from shoal.kernels.dct_reference import chunk_dct, chunk_idct
 from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
+    check_hyper,
     checked,
-    concrete_float,
 )
 
 # Wire format of one coefficient: its value as float32 and its index in the chunk as int32.
@@ -219,9 +219,7 @@ def demo(
     chunk_size = int(chunk_size)
     check_int("topk", topk, 1, chunk_size * chunk_size, why=_TOPK_WHY)
     topk = int(topk)
-    beta = concrete_float(momentum)
-    if beta is not None and not 0 <= beta < 1:
-        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    check_hyper("momentum", momentum, 0, 1, open_high=True)
     if not isinstance(sign, (bool, np.bool_)):
         raise ValueError(f"sign must be True or False, got {sign!r}")
     n_workers = collective.size

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from shoal.checks import check_int
@@ -31,6 +30,7 @@ from shoal.optim._inplace import run_if
 from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
+    check_hyper,
     checked,
     require_params,
 )
@@ -54,17 +54,6 @@ class DESLOCState(NamedTuple):
     wire: WireMeter
 
     RANK_UNIFORM = ("step",)  # `shoal.optim.helpers.uniform_axes`
-
-
-def _check_number(name: str, value: Any, low: float, high: float, closed_high: bool) -> Any:
-    if isinstance(value, jax.Array):  # injected (optax.inject_hyperparams): traced, unchecked
-        return value
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    inside = ok and low <= float(value) and (float(value) <= high if closed_high else value < high)
-    if not inside:
-        interval = f"[{low}, {high}]" if closed_high else f"[{low}, {high})"
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
-    return float(value)
 
 
 def desloc(
@@ -145,14 +134,11 @@ def desloc(
     k_u = check_int("moment_every", k_u, k_x, why=" (>= sync_every: K_x <= K_u)")
     k_v = 6 * k_x if second_moment_every is None else second_moment_every
     k_v = check_int("second_moment_every", k_v, k_u, why=" (>= moment_every: K_u <= K_v)")
-    b1 = _check_number("b1", b1, 0.0, 1.0, closed_high=False)
-    b2 = _check_number("b2", b2, 0.0, 1.0, closed_high=False)
-    eps = _check_number("eps", eps, 0.0, np.inf, closed_high=False)
-    if not callable(learning_rate) and not isinstance(learning_rate, jax.Array):
-        lr = learning_rate
-        ok = isinstance(lr, (int, float, np.integer, np.floating)) and not isinstance(lr, bool)
-        if not ok or not np.isfinite(lr) or lr <= 0:
-            raise ValueError(f"learning_rate must be a finite number > 0 or a schedule, got {lr!r}")
+    b1 = check_hyper("b1", b1, 0, 1, open_high=True)
+    b2 = check_hyper("b2", b2, 0, 1, open_high=True)
+    eps = check_hyper("eps", eps, 0)
+    if not callable(learning_rate):
+        check_hyper("learning_rate", learning_rate, 0, open_low=True, why=" or a schedule")
     n_workers = collective.size
 
     def moment_dtype(x):

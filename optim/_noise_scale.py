@@ -32,7 +32,7 @@ from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_sums
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
-from shoal.optim._validation import check_collective, checked, concrete_float
+from shoal.optim._validation import check_collective, check_hyper, checked
 from shoal.trees import find_instances
 
 _SCALAR_BYTES = 4  # one float32: the local squared norm
@@ -146,9 +146,7 @@ def gradient_noise_scale(
     """
     check_collective(collective)
     _check_batch_size(local_batch_size)
-    decay = concrete_float(ema)
-    if decay is not None and not 0.0 <= decay < 1.0:
-        raise ValueError(f"ema must lie in [0, 1), got {ema!r}")
+    check_hyper("ema", ema, 0, 1, open_high=True)
     n = collective.size
     if n == 1:
         raise ValueError(

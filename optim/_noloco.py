@@ -33,6 +33,7 @@ from shoal.optim._inplace import run_if
 from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
+    check_hyper,
     checked,
     require_params,
 )
@@ -184,19 +185,9 @@ def noloco(
     check_collective(collective)
     _check_transformation("inner", inner)
     sync_every = check_int("sync_every", sync_every, 1)
-    for name, value, low, high in (("alpha", alpha, 0.0, 1.0), ("beta", beta, 0.0, np.inf),
-                                   ("gamma", gamma, 0.0, np.inf)):  # fmt: skip
-        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-            value, bool
-        )
-        if isinstance(value, jax.Array):
-            continue  # injected (optax.inject_hyperparams): traced, unchecked
-        bad = not ok or not np.isfinite(value) or value < low or value >= high
-        if name == "beta":
-            bad = bad or value <= 0
-        if bad:
-            want = {"alpha": "in [0, 1)", "beta": "> 0", "gamma": ">= 0"}[name]
-            raise ValueError(f"{name} must be a finite number {want}, got {value!r}")
+    check_hyper("alpha", alpha, 0, 1, open_high=True)
+    check_hyper("beta", beta, 0, open_low=True)
+    check_hyper("gamma", gamma, 0)
     seed = check_int("seed", seed, 0)
     inner = optax.with_extra_args_support(inner)
     size = collective.size
@@ -225,9 +216,14 @@ def noloco(
             local = apply_updates(params, out)
             pseudo = jax.tree.map(jnp.subtract, slow, local)
             index = _pick(len(perms), seed, rounds)
-            peer_slow, peer_pseudo = jax.tree.map(
-                lambda x: ppermute_switch(collective, x, perms, index), (slow, pseudo)
+            # One message per leaf: the peer's slow weights and pseudo-gradient, stacked.
+            both = jax.tree.map(
+                lambda s, d: ppermute_switch(collective, jnp.stack([s, d]), perms, index),
+                slow,
+                pseudo,
             )
+            peer_slow = jax.tree.map(lambda b: b[0], both)
+            peer_pseudo = jax.tree.map(lambda b: b[1], both)
             # Alone this round (odd size): the peer is this worker, and both means are its own.
             new_momentum = jax.tree.map(
                 lambda d, p, q, s, r: alpha * d - beta * (p + q) / 2 - gamma * (s - r) / 2,

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from shoal.checks import check_int
+from shoal.checks import check_int, check_real
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
@@ -286,11 +286,7 @@ def powersgd(
 
 
 def _check_min_compression(value: Any) -> float:
-    real = isinstance(value, (int, float, np.integer, np.floating))
-    v = float(value) if real and not isinstance(value, (bool, np.bool_)) else None
-    if v is None or not (v > 0 and np.isfinite(v)):
-        raise ValueError(f"min_compression must be a finite number > 0, got {value!r}")
-    return v
+    return check_real("min_compression", value, 0, open_low=True)
 
 
 def _state_leaves(treedef, leaves, plan, state):

@@ -26,8 +26,8 @@ from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.optim._validation import (
     check_collective,
     check_floating_leaves,
+    check_hyper,
     checked,
-    concrete_float,
     require_params,
 )
 
@@ -100,9 +100,7 @@ def sma(
       Koliousis et al., "Crossbow", VLDB 2019.
     """
     check_collective(collective)
-    a = concrete_float(alpha)
-    if a is not None and not 0.0 < a <= 1.0:
-        raise ValueError(f"alpha must lie in (0, 1], got {alpha!r}")
+    check_hyper("alpha", alpha, 0, 1, open_low=True)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):

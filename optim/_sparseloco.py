@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
-import numpy as np
 import optax
 
+from shoal.checks import check_real
 from shoal.comms.codecs import TopK
 from shoal.comms.collective import Collective
 from shoal.optim._diloco import diloco_named
+from shoal.optim._validation import check_hyper
 
 __all__ = ["sparseloco"]
 
@@ -123,21 +123,13 @@ def sparseloco(
       SparseLoCo", arXiv:2508.15706, 2025, Algorithm 1 and section 3.
     """
     # A traced rate (optax.inject_hyperparams) cannot be checked here; optax.sgd takes it.
-    if not callable(outer_learning_rate) and not isinstance(outer_learning_rate, jax.Array):
-        a = outer_learning_rate
-        ok = isinstance(a, (int, float, np.integer, np.floating)) and not isinstance(a, bool)
-        if not ok or not np.isfinite(a) or a <= 0:
-            raise ValueError(
-                f"outer_learning_rate must be a finite number > 0 or a schedule, got {a!r}"
-            )
-    if isinstance(beta, bool) or not isinstance(beta, (int, float, np.integer, np.floating)):
-        raise ValueError(f"beta must be a number in (0, 1], got {beta!r}")
-    if isinstance(density, bool) or not isinstance(density, (int, float, np.integer, np.floating)):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+    if not callable(outer_learning_rate):
+        check_hyper("outer_learning_rate", outer_learning_rate, 0, open_low=True,
+                    why=" or a schedule")  # fmt: skip
+    beta = check_real("beta", beta, 0, 1, open_low=True)
+    density = check_real("density", density, 0, 1, open_low=True)
     try:
-        exchange = TopK(
-            float(density), chunk_size=chunk_size, value_bits=value_bits, error_decay=float(beta)
-        )
+        exchange = TopK(density, chunk_size=chunk_size, value_bits=value_bits, error_decay=beta)
     except ValueError as e:  # name this factory's parameters, not the codec's
         msg = str(e).replace("error_decay", "beta").replace("fraction", "density")
         raise ValueError(msg) from None

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from shoal.checks import check_int, check_real
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.collective import Collective, uniform_over
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes
@@ -120,14 +120,8 @@ def sparta(
     """
     check_collective(collective)
     _check_transformation("inner", inner)
-    ok = isinstance(fraction, (int, float, np.integer, np.floating)) and not isinstance(
-        fraction, bool
-    )
-    if not ok or not 0 < float(fraction) <= 1:
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    fraction, seed = float(fraction), int(seed)
+    fraction = check_real("fraction", fraction, 0, 1, open_low=True)
+    seed = check_int("seed", seed)
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
 
@@ -144,8 +138,10 @@ def sparta(
     def update_fn(updates, state, params=None, **extra_args):
         require_params("sparta", params)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        new = apply_updates(params, inner_updates)
-        leaves, treedef = jax.tree.flatten(new)
+        # Only the picked entries move: the update elsewhere is the inner one, untouched (no
+        # pass over the whole model), and at a picked entry it takes the model to the mean.
+        leaves, treedef = jax.tree.flatten(params)
+        u_leaves = treedef.flatten_up_to(inner_updates)
         ks = counts(leaves)
         step_key = jax.random.fold_in(
             jax.random.PRNGKey(seed), uniform_over(collective, state.step)
@@ -154,7 +150,11 @@ def sparta(
             jax.random.randint(jax.random.fold_in(step_key, j), (k,), 0, x.size)
             for j, (x, k) in enumerate(zip(leaves, ks))
         ]
-        values = [x.ravel()[i].astype(jnp.float32) for x, i in zip(leaves, picks)]
+        here = [x.ravel()[i] for x, i in zip(leaves, picks)]
+        values = [
+            apply_updates(h, u.ravel()[i]).astype(jnp.float32)
+            for h, u, i in zip(here, u_leaves, picks)
+        ]
         sizes = [v.shape[0] for v in values]
         if not sum(sizes):  # only zero-size leaves: nothing to average
             return inner_updates, SpartaState(
@@ -162,14 +162,11 @@ def sparta(
             )
         mean = collective.all_reduce(jnp.concatenate(values), "mean")
         out, start = [], 0
-        for x, i, k in zip(leaves, picks, sizes):
-            part = mean[start : start + k].astype(x.dtype)
-            out.append(x.ravel().at[i].set(part).reshape(x.shape))
+        for x, h, u, i, k in zip(leaves, here, u_leaves, picks, sizes):
+            step_to_mean = (mean[start : start + k].astype(x.dtype) - h).astype(u.dtype)
+            out.append(u.ravel().at[i].set(step_to_mean).reshape(u.shape))
             start += k
-        averaged = jax.tree.unflatten(treedef, out)
-        final = jax.tree.map(
-            lambda a, p, u: (a - p).astype(u.dtype), averaged, params, inner_updates
-        )
+        final = jax.tree.unflatten(treedef, out)
         nbytes = all_reduce_bytes(4 * sum(ks), n_workers)
         wire = state.wire.record(WireCount.of(*nbytes))
         return final, SpartaState(inner_state=inner_state, step=state.step + 1, wire=wire)

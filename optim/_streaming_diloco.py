@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shoal.checks import check_int
+from shoal.checks import check_int, check_real
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.codecs import Compressor, tree_mean
 from shoal.comms.collective import Collective, uniform_over
@@ -256,11 +256,7 @@ def streaming_diloco(
         sync_every - 1,
         why=" (< sync_every: a fragment's merge comes before its next sync)",
     )
-    if isinstance(mix, bool) or not isinstance(mix, (int, float, np.integer, np.floating)):
-        raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
-    if not 0.0 <= float(mix) <= 1.0:
-        raise ValueError(f"mix must be a number in [0, 1], got {mix!r}")
-    mix = float(mix)
+    mix = check_real("mix", mix, 0, 1)
     inner = optax.with_extra_args_support(inner)
     n_workers = collective.size
 

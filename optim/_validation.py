@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shoal.checks import check_real
 from shoal.comms.collective import missing_members
 
 
@@ -35,10 +36,21 @@ def concrete_float(value: Any) -> float | None:
         raise TypeError(f"expected a real number, got {value!r}") from e
 
 
+def check_hyper(name: str, value: Any, low: Any = None, high: Any = None, **bounds: Any) -> Any:
+    """`shoal.checks.check_real` for a hyper-parameter that `optax.inject_hyperparams` may
+    feed in as an array: a traced one passes unchecked (nothing is known of it here), a
+    concrete scalar array is checked by its value. Returns a float, or the traced array."""
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+        check_real(name, value.item(), low, high, **bounds)
+        return value
+    return check_real(name, value, low, high, **bounds)
+
+
 def check_positive(name: str, value: Any) -> None:
-    v = concrete_float(value)
-    if v is not None and not (v > 0 and np.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    """A finite number > 0 (bools refused), or an injected array (`check_hyper`)."""
+    check_hyper(name, value, 0, open_low=True)
 
 
 def check_floating_leaves(name: str, tree: Any) -> None:

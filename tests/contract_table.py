@@ -349,6 +349,7 @@ ROWS = (
         inject=Inject({"inner": sgd(LR), "fraction": 0.5}, ("fraction", "seed")),
         wraps=True,
         needs_params=True,
+        nonfinite_fma=True,  # a picked entry's p + u, which XLA may contract with u's multiply
     ),
     Row(
         "streaming_diloco",

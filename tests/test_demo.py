@@ -282,6 +282,8 @@ def test_chained_with_sgd_descends():
         (dict(topk=2.5), r"topk must be an int"),
         (dict(momentum=1.0), r"momentum must be a number in \[0, 1\)"),
         (dict(momentum=-0.1), r"momentum must be a number in \[0, 1\)"),
+        (dict(momentum=True), r"momentum must be a number in \[0, 1\)"),
+        (dict(momentum=jnp.asarray(1.5)), r"momentum must be a number in \[0, 1\)"),
         (dict(sign="yes"), r"sign must be True or False"),
     ],
 )

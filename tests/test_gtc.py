@@ -168,6 +168,8 @@ def test_chains_with_sgd_and_jits():
     [
         (dict(threshold=0.0), "threshold must be a finite number > 0"),
         (dict(threshold=-1.0), "threshold must be a finite number > 0"),
+        (dict(threshold=True), "threshold must be a finite number > 0"),
+        (dict(threshold=np.float32("nan")), "threshold must be a finite number > 0"),
         (dict(threshold=0.1, capacity=0.0), r"capacity as a fraction must lie in \(0, 1\]"),
         (dict(threshold=0.1, capacity=1.5), r"capacity as a fraction must lie in \(0, 1\]"),
         (dict(threshold=0.1, capacity=0), "capacity as a count must be >= 1"),

@@ -124,7 +124,7 @@ def test_two_workers_without_gamma_is_diloco_with_heavy_ball():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(alpha=1.0), r"alpha must be a finite number in \[0, 1\)"),
+        (dict(alpha=1.0), r"alpha must be a number in \[0, 1\)"),
         (dict(beta=0.0), "beta must be a finite number > 0"),
         (dict(gamma=-0.1), "gamma must be a finite number >= 0"),
         (dict(gamma=True), "gamma must be a finite number >= 0"),

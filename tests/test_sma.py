@@ -101,9 +101,9 @@ def test_alpha_can_be_injected():
         np.testing.assert_allclose(alpha, 0.4)
 
 
-@pytest.mark.parametrize("alpha", [0.0, 1.5, -0.1, float("nan")])
+@pytest.mark.parametrize("alpha", [0.0, 1.5, -0.1, float("nan"), True])
 def test_bad_alpha(alpha):
-    with pytest.raises(ValueError, match=r"alpha must lie in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"alpha must be a number in \(0, 1\]"):
         sma(optax.sgd(0.1), collective=world(), alpha=alpha)
 
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shoal.checks import check_int
+from shoal.checks import check_int, check_real
 from shoal.comms.codecs.base import Compressor
 
 __all__ = ["VALUE_BITS", "TopK"]
@@ -88,15 +88,11 @@ class TopK(Compressor):
     error_decay: float = 1.0
 
     def __post_init__(self):
-        b = self.error_decay
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
-            raise ValueError(f"error_decay must be a number in (0, 1], got {b!r}")
+        b = check_real("error_decay", self.error_decay, 0, 1, open_low=True)
         if b != 1 and not self.error_feedback:
             raise ValueError(f"error_decay = {b!r} needs error_feedback=True (no error to decay)")
-        object.__setattr__(self, "error_decay", float(b))
-        f = self.fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-            raise ValueError(f"fraction must be a number in (0, 1], got {f!r}")
+        object.__setattr__(self, "error_decay", b)
+        check_real("fraction", self.fraction, 0, 1, open_low=True)
         if self.chunk_size is not None:
             c = check_int("chunk_size", self.chunk_size, 1, why=" or None")
             object.__setattr__(self, "chunk_size", c)
