@@ -79,6 +79,17 @@ class RunFields:
     project_workers: int = 0
     project_cluster: str = "v100-nvlink-25gbps"
 
+    # Simulated time (`shoal.costmodel.clock`): with speeds set, every run gets a simulated
+    # wall clock on project_cluster's links with its own workers. speeds: factors on each
+    # worker's compute time (`shoal.costmodel.speeds`: "2@0-1" workers 0-1 twice as slow,
+    # "lognormal:0.3", "pareto:1.5", "trace:PATH", joined by "*"); "1" all equal; "" no
+    # clock. compute_ms: one worker's step (0: measured here; set it for a clock that is
+    # the same bit for bit on every machine). target_loss > 0: report the simulated time of
+    # the first evaluation at or below it.
+    speeds: str = ""
+    compute_ms: float = 0.0
+    target_loss: float = 0.0
+
     # Checkpoints (`shoal.experiments.runner.checkpoint`): every checkpoint_every steps (0: none
     # periodically; a run that checkpoints also saves when it stops), resumed with --resume.
     checkpoint_every: int = 0
@@ -159,6 +170,21 @@ class RunFields:
             "project_workers",
             f"a multiple of the {per_node} workers per node of {self.project_cluster!r}",
         )
+        check_field(self.compute_ms >= 0, "compute_ms", "a number of ms >= 0 (0: measured)")
+        check_field(self.target_loss >= 0, "target_loss", "a number >= 0 (0: none)")
+        if self.speeds:
+            from shoal.costmodel.speeds import check_speeds
+
+            try:
+                check_speeds(self.speeds, self.workers)
+            except ValueError as e:
+                raise ConfigError(f"config field {e}") from None  # "speeds = '...': ..."
+            check_field(
+                self.workers % per_node == 0,
+                "workers",
+                f"a multiple of the {per_node} workers per node of project_cluster = "
+                f"{self.project_cluster!r} when speeds is set (the simulated clock's links)",
+            )
 
     def steps_per_program(self) -> int:
         """``scan_steps``, or for 0 the largest divisor of ``eval_every`` up to

@@ -57,6 +57,8 @@ class DeMoState(NamedTuple):
     step: jax.Array
     wire: WireMeter
 
+    ERROR_FEEDBACK = ("momentum",)  # m - what was sent: the residual
+
 
 class _Plan(NamedTuple):
     """How one leaf is chunked: viewed as a ``[rows, cols]`` matrix of ``[h, w]`` chunks,

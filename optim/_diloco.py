@@ -65,6 +65,8 @@ class DiLoCoState(NamedTuple):
     wire: WireMeter
     exchange_memory: tuple = ()
 
+    ERROR_FEEDBACK = ("exchange_memory",)  # `shoal.optim.helpers.error_feedback_mask`
+
     # The same on every worker: simulated workers can hold them once
     # (`shoal.optim.helpers.uniform_axes`).
     RANK_UNIFORM = ("outer_state", "global_params", "step", "rounds")

@@ -52,6 +52,8 @@ class GTCState(NamedTuple):
     sent: jax.Array
     wire: WireMeter
 
+    ERROR_FEEDBACK = ("residual",)  # `shoal.optim.helpers.error_feedback_mask`
+
 
 def resolve_capacity(capacity: int | float, n: int) -> int:
     """Words per buffer for ``n`` elements: a fraction of ``n`` (float in (0, 1], rounded,

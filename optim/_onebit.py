@@ -77,6 +77,8 @@ class OneBitAdamState(NamedTuple):
     server_error: jax.Array
     wire: WireMeter
 
+    ERROR_FEEDBACK = ("worker_error", "server_error")  # `shoal.optim.helpers.error_feedback_mask`
+
 
 class OneBitLambState(NamedTuple):
     """State of `onebit_lamb`.
@@ -105,6 +107,8 @@ class OneBitLambState(NamedTuple):
     worker_error: jax.Array
     server_error: jax.Array
     wire: WireMeter
+
+    ERROR_FEEDBACK = ("worker_error", "server_error")  # `shoal.optim.helpers.error_feedback_mask`
 
 
 # --------------------------------------------------------------------------- checks

@@ -60,6 +60,8 @@ class PowerSGDState(NamedTuple):
     step: jax.Array
     wire: WireMeter
 
+    ERROR_FEEDBACK = ("error",)  # `shoal.optim.helpers.error_feedback_mask`
+
 
 class _Leaf(NamedTuple):
     """How one leaf travels: ``rank`` 0 means uncompressed."""

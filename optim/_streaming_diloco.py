@@ -83,6 +83,8 @@ class StreamingDiLoCoState(NamedTuple):
     rounds: jax.Array
     wire: WireMeter
 
+    ERROR_FEEDBACK = ("exchange_memory",)  # `shoal.optim.helpers.error_feedback_mask`
+
     # The same on every worker: simulated workers can hold them once
     # (`shoal.optim.helpers.uniform_axes`).
     RANK_UNIFORM = ("outer_states", "global_params", "pending", "step", "rounds")

@@ -28,6 +28,8 @@ class TopKState(NamedTuple):
     error: Any
     wire: WireMeter
 
+    ERROR_FEEDBACK = ("error",)  # `shoal.optim.helpers.error_feedback_mask`
+
 
 def topk(
     fraction: float,

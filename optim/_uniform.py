@@ -22,15 +22,9 @@ from typing import Any
 
 import jax
 
+from shoal.optim._declared import declared_fields
+
 __all__ = ["hold_uniform", "uniform_axes"]
-
-
-def _declares(node: Any) -> bool:
-    return (
-        isinstance(node, tuple)
-        and hasattr(type(node), "_fields")
-        and hasattr(type(node), "RANK_UNIFORM")
-    )
 
 
 def uniform_axes(state: Any, axis: int = 0) -> Any:
@@ -72,21 +66,7 @@ def uniform_axes(state: Any, axis: int = 0) -> Any:
       share). DrJAX (github.com/google/drjax), whose unplaced values hold such state once.
     """
 
-    def walk(node):
-        if _declares(node):
-            uniform = set(type(node).RANK_UNIFORM)
-            return type(node)(
-                *(
-                    jax.tree.map(lambda _: None, value) if name in uniform else walk(value)
-                    for name, value in zip(node._fields, node)
-                )
-            )
-        children, treedef = jax.tree.flatten(node, is_leaf=lambda x: x is not node and _declares(x))
-        if treedef.num_leaves == 1 and children and children[0] is node:
-            return axis  # a leaf
-        return jax.tree.unflatten(treedef, [walk(c) for c in children])
-
-    return walk(state)
+    return declared_fields(state, "RANK_UNIFORM", None, axis)
 
 
 def hold_uniform(stacked: Any, axis: int = 0) -> Any:

@@ -2,8 +2,8 @@
 `shoal.optim`: the gradient noise scale of a monitor's state, the peers of a step of peer
 averaging, NoLoCo's pairings, the bins of partial exchange, Streaming DiLoCo's fragments, the error
 ``nonfinite="raise"`` raised inside a compiled step, the check that every worker
-starts from the same model, and the axes that let simulated workers hold rank-uniform
-state once.
+starts from the same model, the axes that let simulated workers hold rank-uniform
+state once, and which leaves are error feedback.
 
 Example:
   >>> from shoal.optim.helpers import peer_permutation
@@ -11,6 +11,7 @@ Example:
   (1, 2, 3, 0)
 """
 
+from shoal.optim._declared import error_feedback_mask
 from shoal.optim._noise_scale import noise_scale
 from shoal.optim._noloco import pairing
 from shoal.optim._nonfinite import take_raised
@@ -23,6 +24,7 @@ from shoal.optim._uniform import hold_uniform, uniform_axes
 __all__ = [
     "SameModelCheck",
     "check_same_model",
+    "error_feedback_mask",
     "hold_uniform",
     "noise_scale",
     "pairing",

@@ -14,6 +14,7 @@ from typing import Any
 
 from shoal.experiments.reports.markdown import (
     COLUMNS,
+    clock_section,
     onebit_section,
     policy_section,
     projection_section,
@@ -21,6 +22,7 @@ from shoal.experiments.reports.markdown import (
     write_summary,
 )
 from shoal.experiments.reports.plots import (
+    CLOCK_PLOTS,
     PLOTS,
     SAMPLES_PLOT,
     onebit_pair,
@@ -28,6 +30,7 @@ from shoal.experiments.reports.plots import (
     plot_loss,
     plot_test_vs_samples,
 )
+from shoal.experiments.reports.timeline import plot_timeline
 
 
 def _strict(value: Any) -> Any:
@@ -184,6 +187,11 @@ def write_run(
     pair = onebit_pair(entries)
     onebit = onebit_section(pair, records, summaries)
     extra = policy_section(records) + projection_section(cfg, summaries) + onebit
+    if any(s.get("sim_time_s") is not None for s in summaries):  # a simulated clock
+        paths += [out / n for n in CLOCK_PLOTS]
+        plot_loss(paths[-2], records, "sim_time_s", "simulated seconds", log_x=False)
+        plot_timeline(paths[-1], summaries)
+        extra += clock_section(cfg, summaries)
     if onebit:  # the section shows this plot
         paths.append(out / SAMPLES_PLOT)
         plot_test_vs_samples(paths[-1], cfg, records, pair)

@@ -274,6 +274,46 @@ plus one worker's forward and backward pass measured on this machine, with no ov
 """
 
 
+def clock_section(cfg: Any, summaries: Sequence[dict[str, Any]]) -> str:
+    """The simulated clock (config ``speeds``): each entry's simulated time, time to
+    ``target_loss``, and its workers' compute, communication and waiting shares (with
+    several seeds, mean ± std over them)."""
+    rows = [s for s in by_entry(summaries) if s.get("sim_time_s") is not None]
+    if not rows:
+        return ""
+    from shoal.experiments.runner.clock import cluster_of
+
+    c = cluster_of(cfg)
+    target = f"test loss <= {cfg.target_loss:g}" if cfg.target_loss else "no target_loss set"
+    lines = [
+        f"| algorithm | simulated s | s to target ({target}) | compute | communication "
+        "| waiting | waiting, per worker (min-max) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in rows:
+        idle = s["clock"]["shares"]["idle"]
+        reached = s["sim_to_target_s"]
+        to_target = cell(reached, "{:.4g}") if reached is not None else "not reached"
+        if reached is not None and reached.n < len(s["seeds"]):
+            to_target += f" ({reached.n} of {len(s['seeds'])} seeds reached it)"
+        cells = (s["algorithm"], cell(s["sim_time_s"], "{:.4g}"), to_target,
+                 cell(s["busy_share"], "{:.1%}"), cell(s["comm_share"], "{:.1%}"),
+                 cell(s["idle_share"], "{:.1%}"), f"{min(idle):.1%}-{max(idle):.1%}")  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    step = "given (compute_ms)" if cfg.compute_ms else "measured on this machine"
+    return f"""
+## Simulated time
+
+{cfg.workers} workers at speeds `{cfg.speeds}` (`shoal.costmodel.speeds`: factors on one
+worker's step, {step}), on the links of {c.name} ({c.workers_per_node} per node,
+{c.inter_bandwidth * 8 / 1e9:g} Gbps between nodes): a collective starts when its last
+member arrives (`shoal.costmodel.clock`). Shares are of the run's simulated time, mean
+over workers; timeline.png shows the first rounds.
+
+{chr(10).join(lines)}
+"""
+
+
 def volume_reduction(warmup_fraction: float, bits: int) -> float:
     """Li et al. (2021), section 5: end-to-end communication volume reduction of 1-bit
     LAMB over dense ``bits``-bit all-reduce with a warm-up fraction ``w`` of the steps,

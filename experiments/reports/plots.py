@@ -20,6 +20,7 @@ from shoal.experiments.reports.panels import algorithm_colors, facets
 from shoal.experiments.reports.seeds import Band, band
 
 PLOTS = ("loss_vs_step.png", "loss_vs_mb.png", "accuracy_vs_step.png")
+CLOCK_PLOTS = ("loss_vs_sim_time.png", "timeline.png")  # with a simulated clock (speeds)
 SAMPLES_PLOT = "test_loss_vs_samples.png"  # with a LAMB / 1-bit LAMB pair
 
 
@@ -127,17 +128,24 @@ def _curve(b: Band, keep: np.ndarray) -> Curve:
     return list(b.x[keep]), list(b.mean[keep])
 
 
-def plot_loss(path: Path, records: Sequence[dict[str, Any]], x: str, xlabel: str) -> Figure:
+def plot_loss(
+    path: Path,
+    records: Sequence[dict[str, Any]],
+    x: str,
+    xlabel: str,
+    log_x: bool | None = None,
+) -> Figure:
     """Train loss (a moving average over about a twentieth of the run, every step faint
     behind it) and test loss at every evaluation against ``x``: one row of two panels
     per family (`facets`), the reference in each, one colour per entry, each row's legend
     outside its panels. With several seeds, the mean over the seeds in a band of ± one
     sample std (of the moving averages, for train loss). Bytes (``x`` other than
     ``step``) are on a log axis spanning `BYTE_DECADES` decades: steps at 0 bytes cannot be
-    shown there and are left out, the axis label says so."""
+    shown there and are left out, the axis label says so. ``log_x`` False: a linear axis
+    (the simulated clock's seconds)."""
     names = list(dict.fromkeys(r["algorithm"] for r in records))
     colors = algorithm_colors(names)
-    log_x = x != "step"
+    log_x = x != "step" if log_x is None else log_x
     longest = max(len({r["step"] for r in records if r["algorithm"] == n}) for n in names)
     window = max(1, round(longest / 20))
     smooth = lambda ys: moving_average(ys, window)  # noqa: E731

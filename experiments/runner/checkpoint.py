@@ -125,6 +125,20 @@ def _restore_leaves(target: Any, saved: dict[str, np.ndarray], treedef: str, wha
     return jax.tree.unflatten(target_def, out)
 
 
+# Backends that resume a checkpoint of another worker count (`elastic`).
+ELASTIC = ("sim", "mpi")
+
+
+def committed_steps(folder: Path) -> list[int]:
+    """Steps with a committed checkpoint in one process's folder, newest first (read from
+    the folder's names and markers: no orbax manager, so any process may look)."""
+    if not folder.is_dir():
+        return []
+    steps = [int(p.name[5:]) for p in folder.glob("step_*")
+             if p.name[5:].isdigit() and (p / COMMITTED).is_file()]  # fmt: skip
+    return sorted(steps, reverse=True)
+
+
 class Checkpointer:
     """Saves and finds the checkpoints of one algorithm on one process.
 
@@ -207,11 +221,13 @@ class Checkpointer:
             commit(self.path(step))
         return self.path(step)
 
-    def check_compatible(self, step: int) -> None:
-        """Refuse a checkpoint of a different run (workers, backend layout or config); the
-        step must be readable (`read`)."""
-        saved = read_meta(self.path(step))
-        name = self.path(step)
+    def check_compatible(self, step: int, path: Path | None = None) -> None:
+        """Refuse a checkpoint of a different run (backend layout or config; another worker
+        count only on ``--backend jax``, the others resume elastically,
+        `shoal.experiments.runner.elastic`); the step (of ``path``, default this process's)
+        must be readable (`read`)."""
+        name = self.path(step) if path is None else path
+        saved = read_meta(name)
         if saved.get("algorithm") != self.meta["algorithm"]:
             raise CheckpointError(f"{name} is of algorithm {saved.get('algorithm')!r}")
         k_saved, k_now = saved.get("devices_per_worker", 1), self.meta["devices_per_worker"]
@@ -221,7 +237,7 @@ class Checkpointer:
                 f"its checkpoint {name} holds workers of {k_saved} devices each (resume with "
                 f"--devices-per-worker {k_saved})"
             )
-        if saved.get("workers") != self.meta["workers"]:
+        if saved.get("workers") != self.meta["workers"] and self.meta["backend"] not in ELASTIC:
             n = saved.get("workers")
             how = f"mpiexec -n {n}" if self.meta["backend"] == "mpi" else f"--workers {n}"
             raise CheckpointError(
@@ -245,8 +261,9 @@ class Checkpointer:
                 "the run again with --overwrite"
             )
         # Checkpoints may list fields this run's would not: compare the ones it would list.
-        skip = _skipped(self.meta["algorithm"])
+        skip = _skipped(self.meta["algorithm"]) | {"workers"}  # compared above
         old = {k: v for k, v in old.items() if k.split(".")[0] not in skip}
+        new = {k: v for k, v in new.items() if k.split(".")[0] not in skip}
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 raise CheckpointError(
@@ -263,6 +280,9 @@ class Checkpointer:
         checkpoint of another run, read from the steps that can be resumed, so an
         unreadable newest one does not hide it) is raised on every process, so none is
         left waiting for the others."""
+        n_saved = self.saved_workers()
+        if self.meta["backend"] == "mpi" and n_saved not in (None, self.meta["workers"]):
+            return self._load_elastic(n_saved)
         steps = self.steps()
         good, states, problems = [], {}, []
         for step in steps:
@@ -291,6 +311,9 @@ class Checkpointer:
                 "no good checkpoint to resume from: " + "; ".join(all_problems or ["none saved"])
             )
         step = max(common)
+        n_saved = read_meta(self.path(step)).get("workers")
+        if n_saved != self.meta["workers"]:  # simulated workers: all in this process's folder
+            states[step] = {**states[step], "elastic_from": n_saved}
         if self.rank == 0:
             for p in all_problems:
                 print(f"shoal-run: warning: {p}", file=sys.stderr)
@@ -301,6 +324,61 @@ class Checkpointer:
                     file=sys.stderr,
                 )
         return states[step]
+
+    def saved_workers(self) -> int | None:
+        """The worker count of rank 0's newest committed checkpoint (None: there is none):
+        under MPI another count than this run's makes every rank read every saved rank's
+        checkpoint (`_load_elastic`)."""
+        first = self.folder / "rank_0"
+        steps = committed_steps(first)
+        if not steps:
+            return None
+        try:
+            return read_meta(first / f"step_{steps[0]}").get("workers")
+        except CheckpointError:
+            return None  # unreadable: the usual path names the problem
+
+    def _load_elastic(self, n_saved: int) -> dict[str, Any]:
+        """MPI ranks resuming a checkpoint of ``n_saved`` ranks: every rank reads all of
+        them at their newest common good step, and gets them stacked on the workers' axis
+        (``elastic_from``: the saved count), to be resized by `_Run.resume`."""
+        dirs = [self.folder / f"rank_{r}" for r in range(n_saved)]
+        common = set.intersection(*(set(committed_steps(d)) for d in dirs))
+        problems, refusal, states, found = [], None, [], None
+        try:  # another run's checkpoint (a backend, a config) is refused as such first
+            self.check_compatible(0, path=dirs[0] / f"step_{committed_steps(dirs[0])[0]}")
+        except CheckpointError as e:
+            refusal, common = str(e), set()
+        for step in sorted(common, reverse=True):
+            try:
+                states = [read(d / f"step_{step}") for d in dirs]
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            try:
+                self.check_compatible(step, path=dirs[0] / f"step_{step}")
+            except CheckpointError as e:
+                refusal = str(e)
+            found = step
+            break
+        everyone = self.backend.gather_all((found, refusal))
+        refusals = [r for _, r in everyone if r is not None]
+        if refusals:
+            raise CheckpointError(refusals[0])
+        if found is None or any(f != found for f, _ in everyone):
+            raise CheckpointError(
+                f"no good checkpoint of all {n_saved} saved ranks to resume from: "
+                + "; ".join(problems or ["none saved by every rank"])
+            )
+        state = dict(states[0])  # records, totals and summary are rank 0's
+        for key in ("params", "opt_state"):
+            state[key] = {i: np.concatenate([s[key][i] for s in states]) for i in state[key]}
+        state["elastic_from"] = n_saved
+        if self.rank == 0:
+            print(f"shoal-run: resuming {self.meta['algorithm']} on {self.meta['workers']} "
+                  f"ranks from a checkpoint of {n_saved} (step {found}; "
+                  "shoal.experiments.runner.elastic)", file=sys.stderr)  # fmt: skip
+        return state
 
 
 def pack(

@@ -33,7 +33,7 @@ import jax
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import apply_overrides, parse_assignment
-from shoal.experiments.reports import PLOTS, MetricsLog, summary_table, write_run
+from shoal.experiments.reports import MetricsLog, summary_table, write_run
 from shoal.experiments.reports.files import write_jsonl
 from shoal.experiments.runner import memory, sweep
 from shoal.experiments.runner.analysis import Analysis, run_analysis
@@ -472,8 +472,8 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
         summaries = [r.summary for r in results]
         try:
             records = [rec for r in results for rec in r.records]
-            write_run(out, cfg, records, summaries, entries=entries, backend=args.backend,
-                      command=command, task=task)  # fmt: skip
+            written = write_run(out, cfg, records, summaries, entries=entries,
+                                backend=args.backend, command=command, task=task)  # fmt: skip
             for page in ("summary.md", "report.md"):  # what the sweep chose, and from what
                 with open(out / page, "a") as f:
                     f.write(tuning)
@@ -484,8 +484,7 @@ def _run_config(args, cfg, entries, backend, out: Path, command: str, problem) -
     if not is_root:
         return 0
     print(summary_table(summaries))
-    files = ["report.md", "summary.md", "metrics.jsonl", "metrics.csv", *PLOTS, "timing.jsonl"]
-    print(f"wrote {out}/ ({', '.join(files)})")
+    print(f"wrote {out}/ ({', '.join(p.name for p in written)})")
     return 0
 
 

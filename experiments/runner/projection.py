@@ -56,6 +56,32 @@ def compute_seconds(task: Any) -> float:
     return _COMPUTE[key]
 
 
+def step_events(
+    cfg: Config,
+    entry: algorithms.Entry,
+    task: Any,
+    policy_changes: list[tuple[int, dict[str, Any]]],
+    workers: int,
+) -> list[list[Any]]:
+    """Per step of the run, the collectives ``entry`` performs on ``workers`` workers
+    (`shoal.comms.record_events`), with ``policy_changes`` (``(step, changes)`` made after
+    those steps) applied from the step after each."""
+    params = task.init_params()
+    bounds = [0, *(s for s, _ in policy_changes), cfg.steps]
+    changes: dict[str, Any] = {"workers": workers}
+    out: list[list[Any]] = []
+    for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        if i:
+            changes.update(policy_changes[i - 1][1])
+
+        make = lambda comms, changes=dict(changes): entry.build(comms, task=task, changes=changes)
+
+        out += map(list, record_events(
+            make, params, workers=workers, steps=stop - start, group_size=entry.group_size
+        ))  # fmt: skip
+    return out
+
+
 def project_run(
     cfg: Config,
     algorithm: str | algorithms.Entry,
@@ -70,21 +96,8 @@ def project_run(
     entry = (
         algorithm if isinstance(algorithm, algorithms.Entry) else algorithms.resolve(algorithm, cfg)
     )
-    group_size = entry.group_size
-    params = task.init_params()
-    bounds = [0, *(s for s, _ in policy_changes), cfg.steps]
-    changes: dict[str, Any] = {"workers": cluster.workers}  # the projected cluster's
-    comm = []
-    for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        if i:
-            changes.update(policy_changes[i - 1][1])
-
-        make = lambda comms, changes=dict(changes): entry.build(comms, task=task, changes=changes)
-
-        for events in record_events(
-            make, params, workers=cluster.workers, steps=stop - start, group_size=group_size
-        ):
-            comm.append(step_comm_time(events, cluster, group_size=group_size))
+    events = step_events(cfg, entry, task, policy_changes, cluster.workers)
+    comm = [step_comm_time(e, cluster, group_size=entry.group_size) for e in events]
     comm_s = float(np.mean(comm))
     compute_s = compute_seconds(task)
     return {

@@ -1,0 +1,89 @@
+"""A run's simulated wall clock (config ``speeds``): what its steps would take on
+``project_cluster``'s links with the run's own workers, each at its own speed.
+
+The run's collectives are replayed step by step (`projection.step_events`, for
+``cfg.workers`` workers) and timed by `shoal.costmodel.clock.simulate`, with each
+worker's compute time: one worker's step (``compute_ms``, or measured here when 0) times
+its factor from `shoal.costmodel.speeds`. Workers of a synchronous algorithm still train
+in lock-step: speeds change the clock, not the numbers. With ``compute_ms`` given the
+clock is deterministic, bit for bit; measured, it varies with this machine's load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shoal.costmodel import PRESETS, Cluster
+from shoal.costmodel.clock import Timeline, simulate
+from shoal.costmodel.speeds import speed_factors
+from shoal.experiments import algorithms
+from shoal.experiments.config import Config
+from shoal.experiments.runner import projection
+
+# The timeline plot shows the steps up to the one after this many exchanges, at most
+# PLOT_STEPS steps.
+PLOT_ROUNDS, PLOT_STEPS = 3, 120
+
+
+def cluster_of(cfg: Config) -> Cluster:
+    """``project_cluster``'s links with the run's ``workers`` (checked to fill its nodes)."""
+    return Cluster.preset(
+        cfg.project_cluster, cfg.workers // PRESETS[cfg.project_cluster]["workers_per_node"]
+    )
+
+
+def _plotted_steps(events: list[list[Any]]) -> int:
+    exchanges = [s for s, e in enumerate(events) if e]
+    last = exchanges[PLOT_ROUNDS - 1] if len(exchanges) >= PLOT_ROUNDS else len(events) - 1
+    return min(last + 1, PLOT_STEPS)
+
+
+def clock_run(
+    cfg: Config,
+    entry: algorithms.Entry,
+    task: Any,
+    policy_changes: list[tuple[int, dict[str, Any]]],
+    records: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The summary's clock fields; adds ``sim_time_s`` (the clock when each step ended)
+    to every record of ``records`` (one per step, ``"step"`` from 1).
+
+    Returns ``sim_time_s`` (the run's simulated seconds), ``sim_to_target_s`` (the clock
+    at the first evaluation with ``test_loss <= target_loss``; None when none reached it
+    or no target is set), the mean ``busy_share``, ``comm_share`` and ``idle_share`` over
+    workers, and ``clock``: each worker's shares and the first rounds' segments (for the
+    timeline plot)."""
+    cluster = cluster_of(cfg)
+    events = projection.step_events(cfg, entry, task, policy_changes, cfg.workers)
+    step_s = cfg.compute_ms / 1e3 if cfg.compute_ms else projection.compute_seconds(task)
+    factors = speed_factors(cfg.speeds, steps=cfg.steps, workers=cfg.workers, seed=cfg.seed)
+    timeline = simulate(events, step_s * factors, cluster, group_size=entry.group_size,
+                        keep_steps=_plotted_steps(events))  # fmt: skip
+    for r in records:
+        r["sim_time_s"] = float(timeline.end[r["step"] - 1])
+    return summary_fields(cfg, timeline, records, step_s)
+
+
+def summary_fields(
+    cfg: Config, timeline: Timeline, records: list[dict[str, Any]], step_s: float
+) -> dict[str, Any]:
+    shares = timeline.shares()
+    reached = [
+        r["sim_time_s"]
+        for r in records
+        if cfg.target_loss and r.get("test_loss") is not None and r["test_loss"] <= cfg.target_loss
+    ]
+    return {
+        "sim_time_s": float(timeline.end[-1]),
+        "sim_to_target_s": reached[0] if reached else None,
+        "busy_share": float(np.mean(shares["busy"])),
+        "comm_share": float(np.mean(shares["comm"])),
+        "idle_share": float(np.mean(shares["idle"])),
+        "clock": {
+            "step_ms": 1e3 * step_s,
+            "shares": {k: [float(x) for x in v] for k, v in shares.items()},
+            "segments": [list(s) for s in timeline.segments],
+        },
+    }
