@@ -44,8 +44,8 @@ from shoal.checks import check_int
 from shoal.dtypes import promote_types
 from shoal.optim._validation import check_hyper
 
-__all__ = ["DelayedNesterovState", "Arrival", "Simulation", "delayed_nesterov", "dynamic_steps",
-           "simulate"]  # fmt: skip
+__all__ = ["DelayedNesterovState", "Arrival", "Plan", "Simulation", "delayed_nesterov",
+           "dynamic_steps", "simulate"]  # fmt: skip
 
 
 class DelayedNesterovState(NamedTuple):
@@ -127,6 +127,19 @@ def delayed_nesterov(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """An asynchronous algorithm's server, as `simulate` takes it: the ``outer``
+    optimizer, inner steps per round ``sync_every``, ``quorum`` (None: async),
+    ``grace`` seconds and DyLU's ``dynamic`` steps."""
+
+    outer: optax.GradientTransformation
+    sync_every: int
+    quorum: int | None = None
+    grace: float = math.inf
+    dynamic: bool = False
+
+
 def dynamic_steps(step_seconds: Sequence[float], sync_every: int) -> tuple[int, ...]:
     """DyLU's inner steps per round: ``max(1, floor(v_i / v_max * H))`` with ``v_i =
     1 / step_seconds[i]`` (Liu et al. 2024, eq. 6).
@@ -142,14 +155,16 @@ def dynamic_steps(step_seconds: Sequence[float], sync_every: int) -> tuple[int, 
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """One pseudo-gradient's delivery: ``worker``, its round's first step (``first``,
-    counted per worker) and ``steps``, when the round ``started`` and when the push
-    ``arrived``, the global model ``version`` it started from, the outer step that
-    applied it (``applied``, counted from 1) and the mean inner loss of its round."""
+    counted per worker) and ``steps``, when the round ``started``, the seconds it
+    ``computed``, when the push ``arrived``, the global model ``version`` it started
+    from, the outer step that applied it (``applied``, counted from 1) and the mean inner
+    loss of its round."""
 
     worker: int
     first: int
     steps: int
     started: float
+    computed: float
     arrived: float
     version: int
     applied: int
@@ -181,6 +196,7 @@ class _Worker(NamedTuple):
     first: int  # its next step
     steps: int  # this round's
     started: float
+    computed: float
 
 
 def simulate(
@@ -294,7 +310,7 @@ def simulate(
         compute = float(seconds[first : first + steps, i].sum())
         busy[i] += compute
         comm[i] += transfer
-        running[i] = _Worker(theta, version, first, steps, now)
+        running[i] = _Worker(theta, version, first, steps, now, compute)
         heapq.heappush(events, (now + compute + transfer, 0, i))
 
     def apply(delta: Any, when: float, group: list[tuple[Arrival, Any]]) -> None:
@@ -306,9 +322,11 @@ def simulate(
         for a, _ in group:
             arrivals.append(dataclasses.replace(a, applied=version))
             applied_steps += a.steps
-        while evaluate is not None and applied_steps >= next_eval:
-            evaluations.append((applied_steps, when, evaluate(theta)))
-            next_eval += evaluate_every
+        if evaluate is not None and applied_steps >= next_eval:
+            value = evaluate(theta)
+            while applied_steps >= next_eval:  # every multiple crossed, one evaluation
+                evaluations.append((next_eval, when, value))
+                next_eval += evaluate_every
 
     def pull(i: int, now: float) -> None:
         received[i] += nbytes
@@ -348,7 +366,7 @@ def simulate(
         local, inner_states[i], losses = round_fn(w.start, inner_states[i], xs, ys)
         delta = jax.tree.map(jnp.subtract, w.start, local)
         sent[i] += nbytes
-        arrival = Arrival(i, w.first, w.steps, w.started, now, w.version, 0,
+        arrival = Arrival(i, w.first, w.steps, w.started, w.computed, now, w.version, 0,
                           float(jnp.mean(losses)))  # fmt: skip
         if quorum is None:
             apply(delta, now, [(arrival, delta)])

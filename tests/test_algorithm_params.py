@@ -391,6 +391,9 @@ def test_entries_speak_the_librarys_vocabulary():
         assert module.__name__.rpartition(".")[2] == name, (name, module.__name__)
         if name in optim.__all__:
             continue
+        if algo.asynchronous is not None:  # its rounds are the simulator's
+            assert "`shoal.experiments.asynchronous.simulate`" in (module.__doc__ or ""), name
+            continue
         chained = re.findall(r"`shoal\.optim\.(\w+)`", module.__doc__ or "")
         assert chained and set(chained) <= set(optim.__all__), (name, chained)
 

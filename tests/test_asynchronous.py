@@ -107,7 +107,6 @@ def async_oracle(speeds, h, total, lr, eta, beta, period, transfer):
     """Event by event in float64: the earliest push first (ties: the lower worker)."""
     theta = np.zeros(DIM)
     m, buf, count = np.zeros(DIM), np.zeros(DIM), 0
-    clock = [0.0] * WORKERS
     nxt = [0] * WORKERS
     assigned, order = 0, []
     plan = {}  # worker -> (start model, first, steps, arrival time)

@@ -169,7 +169,7 @@ def test_accuracy_plot_labels_the_switch_and_the_twin(run, tmp_path):
 
 
 def test_facets_keep_each_family_to_panels_of_eight_beside_ssgd():
-    names = list(algorithms.ALGORITHMS)  # all 25, ssgd among them
+    names = list(algorithms.ALGORITHMS)  # all 27, ssgd among them
     panels = report.facets(names)
     for title, entries in panels:
         assert entries[0] == "ssgd" and 2 <= len(entries) <= report.PER_PANEL
@@ -178,10 +178,10 @@ def test_facets_keep_each_family_to_panels_of_eight_beside_ssgd():
     # every other entry in exactly one panel, in the registry's family order
     shown = [n for _, entries in panels for n in entries[1:]]
     assert sorted(shown) == sorted(set(names) - {"ssgd"})
-    assert [t.split(":")[0] for t, _ in panels] == ["dense", "compressed", "local (1/2)",
-                                                    "local (2/2)"]  # fmt: skip
-    # 13 local entries do not fit beside ssgd in 8 curves: two panels of 7 and 6
-    assert [len(e) for t, e in panels if t.startswith("local")] == [8, 7]
+    assert [t.split(":")[0] for t, _ in panels] == ["dense", "compressed", "local (1/3)",
+                                                    "local (2/3)", "local (3/3)"]  # fmt: skip
+    # 15 local entries do not fit beside ssgd in 8 curves: three panels of 5
+    assert [len(e) for t, e in panels if t.startswith("local")] == [6, 6, 6]
     # bracketed entries go with their algorithm; 15 GTC variants make 3 panels of 5 + ssgd
     variants = [f"gtc[threshold={i / 100}]" for i in range(1, 16)]
     split = report.facets(["ssgd", *variants])
@@ -198,7 +198,7 @@ def test_colours_are_distinct_across_a_run():
     names = [*algorithms.ALGORITHMS, *(f"topk[fraction={i / 100}]" for i in range(1, 11))]
     colors = report.algorithm_colors(names)
     assert colors["ssgd"] == "#000000"
-    assert len(set(colors.values())) == len(names) == len(algorithms.ALGORITHMS) + 10 == 35
+    assert len(set(colors.values())) == len(names) == len(algorithms.ALGORITHMS) + 10 == 37
     # no two alike (delta E in CIELAB) among the first 24, whatever the panel
     rgb = np.array([[int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)]
                     for c in report.palette(24)])  # fmt: skip

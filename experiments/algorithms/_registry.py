@@ -125,6 +125,10 @@ class Algorithm:
     compares_to: str | None = None
     warmup: Callable[[Any, Config], int] | None = None
     family: str | None = None  # None: one made by hand, outside `register` (tests)
+    # Asynchronous outer steps (`shoal.experiments.asynchronous`): the plan of the server
+    # from the hyper-parameters and the run; ``build`` then gives each worker's inner
+    # optimizer, and the runner plays the rounds on the simulated clock.
+    asynchronous: Callable[[Any, Config], Any] | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -143,6 +147,7 @@ def register(
     reference: bool = False,
     compares_to: str | None = None,
     warmup: Callable[[Any, Config], int] | None = None,
+    asynchronous: Callable[[Any, Config], Any] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make the builder ``build(params, ctx)`` runnable as ``name``.
 
@@ -166,6 +171,9 @@ def register(
       reference: the uncompressed baseline every other entry is compared with.
       compares_to: the algorithm whose rule this one runs uncompressed for its first
         ``warmup(params, run)`` steps (1-bit LAMB and LAMB), put side by side in reports.
+      asynchronous: ``plan(params, run)``, an `shoal.experiments.asynchronous.Plan`: the
+        algorithm's outer steps are asynchronous, simulated on the clock (simulated
+        workers only); the builder gives each worker's inner optimizer.
     """
     if not (isinstance(params, type) and issubclass(params, Hyper)):
         raise TypeError(f"register({name!r}): params must be a Hyper dataclass, got {params!r}")
@@ -182,7 +190,7 @@ def register(
             raise ValueError(f"algorithm {name!r} is already registered")
         ALGORITHMS[name] = Algorithm(
             name, params, build, skip_in_place, two_tier, policy, reference, compares_to,
-            warmup, family,
+            warmup, family, asynchronous,
         )  # fmt: skip
         return build
 

@@ -304,11 +304,12 @@ def clock_section(cfg: Any, summaries: Sequence[dict[str, Any]]) -> str:
     return f"""
 ## Simulated time
 
-{cfg.workers} workers at speeds `{cfg.speeds}` (`shoal.costmodel.speeds`: factors on one
-worker's step, {step}), on the links of {c.name} ({c.workers_per_node} per node,
+{cfg.workers} workers at speeds `{cfg.speeds or "1"}` (`shoal.costmodel.speeds`: factors on
+one worker's step, {step}), on the links of {c.name} ({c.workers_per_node} per node,
 {c.inter_bandwidth * 8 / 1e9:g} Gbps between nodes): a collective starts when its last
-member arrives (`shoal.costmodel.clock`). Shares are of the run's simulated time, mean
-over workers; timeline.png shows the first rounds.
+member arrives (`shoal.costmodel.clock`); an asynchronous entry's workers push and pull
+over the link between nodes (`shoal.experiments.asynchronous`). Shares are of the run's
+simulated time, mean over workers; timeline.png shows the first rounds.
 
 {chr(10).join(lines)}
 """

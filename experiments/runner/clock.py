@@ -29,9 +29,10 @@ PLOT_ROUNDS, PLOT_STEPS = 3, 120
 
 def cluster_of(cfg: Config) -> Cluster:
     """``project_cluster``'s links with the run's ``workers`` (checked to fill its nodes)."""
-    return Cluster.preset(
-        cfg.project_cluster, cfg.workers // PRESETS[cfg.project_cluster]["workers_per_node"]
-    )
+    per_node = PRESETS[cfg.project_cluster]["workers_per_node"]
+    # (Config checks workers fill the nodes when speeds is set; an asynchronous entry's
+    # clock runs without speeds too, on as many nodes as its workers take.)
+    return Cluster.preset(cfg.project_cluster, max(1, -(-cfg.workers // per_node)))
 
 
 def _plotted_steps(events: list[list[Any]]) -> int:

@@ -18,7 +18,15 @@ from shoal.comms import wire_bytes
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import Entry
 from shoal.experiments.config import Config, ConfigError
-from shoal.experiments.runner import checkpoint, clock, elastic, memory, policies, projection
+from shoal.experiments.runner import (
+    async_run,
+    checkpoint,
+    clock,
+    elastic,
+    memory,
+    policies,
+    projection,
+)
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
@@ -511,6 +519,9 @@ def train(
     check_grad_chunk(cfg.grad_chunk, backend.name, backend.size)
     # An Entry comes resolved (the CLI and studies resolve every entry before training).
     entry = algorithm if isinstance(algorithm, Entry) else algorithms.resolve(algorithm, cfg)
+    if entry.algorithm.asynchronous is not None:  # rounds on the simulated clock
+        return async_run.train(cfg, task, backend, entry, checkpoints=checkpoints,
+                               resume=resume, on_record=on_record)  # fmt: skip
     run = _Run(cfg, task, backend, entry)
     saved = checkpoints.load() if checkpoints is not None and resume else None
     if saved is not None:
