@@ -87,3 +87,13 @@ def test_what_cannot_run_is_refused_by_name(tmp_path, capsys):
     args = [str(QUICKSTART), *BASE, "algorithms=quorum_diloco[quorum=5]"]
     assert main([*args, "--out", str(tmp_path / "y")]) == 2
     assert "'quorum' must be at most workers = 4, got 5" in capsys.readouterr().err
+
+
+def test_the_heterogeneous_study_config_resolves():
+    from shoal.experiments import algorithms
+    from shoal.experiments.runner.arguments import load_argument
+
+    cfg = load_argument("heterogeneous")
+    entries = algorithms.resolve_all(cfg)
+    assert [e.algorithm.asynchronous is not None for e in entries] == [False, False] + [True] * 4
+    assert cfg.speeds and cfg.compute_ms and cfg.nonfinite == "off"
