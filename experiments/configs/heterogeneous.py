@@ -3,9 +3,9 @@ speeds differ, timed on the simulated clock (``speeds``).
 
 Run each condition with its ``speeds`` (about 7 minutes each on 2 CPU cores)::
 
-    shoal-run heterogeneous --seeds 0,1,2 --set speeds=1            --out runs/heterogeneous/a_equal
-    shoal-run heterogeneous --seeds 0,1,2 --set speeds=2@0-1        --out runs/heterogeneous/b_quarter_2x
-    shoal-run heterogeneous --seeds 0,1,2 --set speeds=pareto:2     --out runs/heterogeneous/c_heavy_tail
+    shoal-run heterogeneous --seeds 0,1,2 --set speeds=1 --out runs/heterogeneous/a_equal
+    shoal-run heterogeneous --seeds 0,1,2 --set speeds=2@0-1 --out runs/heterogeneous/b_quarter_2x
+    shoal-run heterogeneous --seeds 0,1,2 --set speeds=pareto:2 --out runs/heterogeneous/c_pareto
 
 (a) equal speeds; (b) a quarter of the 8 workers (0 and 1) twice as slow; (c) every
 worker's every step drawn from 1 + Lomax(2): mean 2, heavy-tailed stragglers. One step

@@ -28,6 +28,7 @@ from shoal.experiments import asynchronous
 from shoal.experiments.algorithms import Context, Entry
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner import clock, projection
+from shoal.experiments.runner.summary import base_summary, time_to_target
 from shoal.experiments.tasks.protocol import metrics_of
 
 MB = 1e6
@@ -140,30 +141,13 @@ def _per_worker(values: np.ndarray) -> int | float:
 
 
 def _summary(cfg, entry, sim, records, step_s, started) -> dict[str, Any]:
-    last = records[-1]
     total = float(sim.updates[-1]) if sim.updates else 0.0
     busy, comm = sim.busy / total, sim.comm / total
     idle = np.maximum(1.0 - busy - comm, 0.0)  # at the server, and after its last round
-    reached = [
-        r["sim_time_s"] for r in records
-        if cfg.target_loss and r.get("test_loss") is not None and r["test_loss"] <= cfg.target_loss
-    ]  # fmt: skip
     return {
-        "algorithm": entry.label,
-        "seed": cfg.seed,
-        "steps": cfg.steps,
-        "loss": last["loss"],
-        "test_loss": last["test_loss"],
-        "test_accuracy": last["test_accuracy"],
-        "test_error": 1.0 - last["test_accuracy"],
-        "mb_sent": last["mb_sent"],
-        "mb_received": last["mb_received"],
-        "peak_kb_sent": max(float(np.max(r["bytes_sent"])) for r in records) / 1e3,
-        "density": None,
-        "skipped": None,
-        "wall_s": time.perf_counter() - started,
+        **base_summary(entry.label, cfg, records, time.perf_counter() - started),
         "sim_time_s": total,
-        "sim_to_target_s": reached[0] if reached else None,
+        "sim_to_target_s": time_to_target(records, cfg.target_loss),
         "busy_share": float(busy.mean()),
         "comm_share": float(comm.mean()),
         "idle_share": float(idle.mean()),

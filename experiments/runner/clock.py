@@ -21,6 +21,7 @@ from shoal.costmodel.speeds import speed_factors
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config
 from shoal.experiments.runner import projection
+from shoal.experiments.runner.summary import time_to_target
 
 # The timeline plot shows the steps up to the one after this many exchanges, at most
 # PLOT_STEPS steps.
@@ -71,14 +72,9 @@ def summary_fields(
     cfg: Config, timeline: Timeline, records: list[dict[str, Any]], step_s: float
 ) -> dict[str, Any]:
     shares = timeline.shares()
-    reached = [
-        r["sim_time_s"]
-        for r in records
-        if cfg.target_loss and r.get("test_loss") is not None and r["test_loss"] <= cfg.target_loss
-    ]
     return {
         "sim_time_s": float(timeline.end[-1]),
-        "sim_to_target_s": reached[0] if reached else None,
+        "sim_to_target_s": time_to_target(records, cfg.target_loss),
         "busy_share": float(np.mean(shares["busy"])),
         "comm_share": float(np.mean(shares["comm"])),
         "idle_share": float(np.mean(shares["idle"])),

@@ -27,6 +27,7 @@ from shoal.experiments.runner import (
     policies,
     projection,
 )
+from shoal.experiments.runner import summary as summary_fields
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
@@ -434,25 +435,8 @@ class _Run:
     def summarize(self) -> dict[str, Any]:
         """The root's summary of the finished run (with its projection, if asked for)."""
         records, cfg = self.records, self.cfg
-        last = records[-1]
-        summary = {
-            "algorithm": self.entry.label,
-            "seed": cfg.seed,
-            "steps": cfg.steps,
-            "loss": last["loss"],
-            "test_loss": last["test_loss"],
-            "test_accuracy": last["test_accuracy"],
-            "test_error": 1.0 - last["test_accuracy"],
-            "mb_sent": last["mb_sent"],
-            "mb_received": last["mb_received"],
-            # the most any one step sent (per worker): what a link must carry at once
-            "peak_kb_sent": max(float(np.max(r["bytes_sent"])) for r in records) / 1e3,
-            "density": float(np.mean([r["density"] for r in records]))
-            if "density" in last
-            else None,
-            "skipped": last.get("skipped"),  # None: no step skipped
-            "wall_s": time.perf_counter() - self.start,
-        }
+        wall = time.perf_counter() - self.start
+        summary = summary_fields.base_summary(self.entry.label, cfg, records, wall)
         if cfg.project_workers:
             summary.update(projection.project_run(cfg, self.entry, self.task, self.policy_changes))
         if cfg.speeds:
