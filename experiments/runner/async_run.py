@@ -28,7 +28,7 @@ from shoal.experiments import asynchronous
 from shoal.experiments.algorithms import Context, Entry
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner import clock, projection
-from shoal.experiments.runner.summary import base_summary, time_to_target
+from shoal.experiments.runner.summary import base_summary, per_worker, time_to_target
 from shoal.experiments.tasks.protocol import metrics_of
 
 MB = 1e6
@@ -119,8 +119,8 @@ def _records(cfg: Config, entry: Entry, sim: Any, started: float) -> list[dict[s
                 "seed": cfg.seed,
                 "step": s,
                 "loss": float(np.mean(losses)) if losses else math.nan,
-                "bytes_sent": _per_worker(window),
-                "bytes_received": _per_worker(window),
+                "bytes_sent": per_worker(window),
+                "bytes_received": per_worker(window),  # a pull for every push applied
                 "mb_sent": float(sent.mean() / MB),
                 "mb_received": float(sent.mean() / MB),
                 "sim_time_s": float(when),
@@ -134,10 +134,6 @@ def _records(cfg: Config, entry: Entry, sim: Any, started: float) -> list[dict[s
         if emitted:
             losses = []
     return out
-
-
-def _per_worker(values: np.ndarray) -> int | float:
-    return int(values[0]) if np.all(values == values[0]) else float(values.mean())
 
 
 def _summary(cfg, entry, sim, records, step_s, started) -> dict[str, Any]:

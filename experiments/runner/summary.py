@@ -1,5 +1,6 @@
-"""The fields every run's summary has, from its records (`base_summary`), and the
-simulated time at which a run first reached the target loss (`time_to_target`)."""
+"""The fields every run's summary has, from its records (`base_summary`), the simulated
+time at which a run first reached the target loss (`time_to_target`), and a record's
+bytes per worker (`per_worker`)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,9 @@ def time_to_target(records: list[dict[str, Any]], target: float) -> float | None
         if target and r.get("test_loss") is not None and r["test_loss"] <= target:
             return r["sim_time_s"]
     return None
+
+
+def per_worker(values: np.ndarray) -> int | float:
+    """A record's bytes per worker: the exact int when the workers agree (symmetric
+    collectives), else the mean."""
+    return int(values[0]) if np.all(values == values[0]) else float(values.mean())

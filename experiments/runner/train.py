@@ -178,11 +178,6 @@ def _same_model(backend: Backend, comms: Any, group_size: int | None):
     return backend.spmd(check, group_size=group_size)
 
 
-def _per_worker(values: np.ndarray) -> int | float:
-    # Exact int when the workers agree (symmetric collectives), else the mean.
-    return int(values[0]) if np.all(values == values[0]) else float(values.mean())
-
-
 class _Run:
     """One algorithm's run in progress: its transformation, the workers' state, the host
     totals and records, and how each is resumed, changed by a policy, recorded and saved.
@@ -414,8 +409,8 @@ class _Run:
             "seed": self.cfg.seed,
             "step": step,
             "loss": float(np.mean(loss, dtype=np.float64)),
-            "bytes_sent": _per_worker(sent),
-            "bytes_received": _per_worker(received),
+            "bytes_sent": summary_fields.per_worker(sent),
+            "bytes_received": summary_fields.per_worker(received),
             "mb_sent": float(self.sent_total.mean() / MB),
             "mb_received": float(self.received_total.mean() / MB),
         }
