@@ -47,10 +47,14 @@ def spread(values: Sequence[float]) -> Spread:
       Spread(mean=3.0, std=2.6457513110645907, n=3)
       >>> spread([0.5])
       Spread(mean=0.5, std=None, n=1)
+      >>> spread([55.52] * 3)  # equal seeds: no ulp of spread from the mean's rounding
+      Spread(mean=55.52, std=0.0, n=3)
     """
     if not values:
         raise ValueError("spread: no values")
     x = np.asarray(values, dtype=np.float64)
+    if len(x) > 1 and np.all(x == x[0]):  # equal seeds: exactly that value, std 0 (np.mean
+        return Spread(float(x[0]), 0.0, len(x))  # of equal values can be an ulp off them)
     std = float(np.std(x, ddof=1)) if len(x) > 1 else None
     return Spread(float(np.mean(x)), std, len(x))
 

@@ -21,7 +21,7 @@ def plot_timeline(path: Path, summaries: Sequence[dict[str, Any]]) -> Figure:
     compute, communication and waiting as bars on the simulated seconds; the panel's
     title gives the mean shares over the whole run."""
     rows = [s for s in by_entry(summaries) if s.get("clock")]
-    fig = Figure(figsize=(11.5, 0.9 + sum(1.0 + 0.22 * _workers(s) for s in rows)),
+    fig = Figure(figsize=(11.5, 0.9 + sum(1.2 + 0.22 * _workers(s) for s in rows)),
                  layout="constrained")  # fmt: skip
     axes = fig.subplots(len(rows), 1, squeeze=False)[:, 0]
     for ax, s in zip(axes, rows, strict=True):
@@ -34,7 +34,7 @@ def plot_timeline(path: Path, summaries: Sequence[dict[str, Any]]) -> Figure:
         ax.set_ylim(_workers(s) - 0.5, -0.5)
         ax.set_ylabel("worker")
         ax.set_title(
-            f"{s['algorithm']}: over the whole run, compute {_pct(s['busy_share'])}, "
+            f"{s['algorithm']}\nover the whole run, compute {_pct(s['busy_share'])}, "
             f"communication {_pct(s['comm_share'])}, waiting {_pct(s['idle_share'])} "
             f"(mean over workers); one step {s['clock']['step_ms']:.3g} ms x its speed",
             fontsize="medium",
