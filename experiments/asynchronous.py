@@ -13,7 +13,7 @@ the simulated clock (ties: by worker), so a run is deterministic, bit for bit:
   token-weighted mean of the waiting pseudo-gradients when ``q`` have arrived or
   ``grace`` seconds after the first of them, and every waiting worker pulls its result.
   ``q = workers`` with an infinite grace is synchronous DiLoCo.
-* ``dynamic_steps=True`` (DyLU, the paper's eq. 6): worker ``i`` runs
+* ``dynamic=True`` (DyLU, the paper's eq. 6): worker ``i`` runs
   ``max(1, floor(v_i / v_max * H))`` steps per round, ``v`` its speed (steps per second,
   from its mean step time over the run), so slow workers deliver as often as fast ones.
 
@@ -24,7 +24,7 @@ link given.
 References:
   Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam & Ranzato, "Asynchronous Local-SGD
   Training for Language Modeling", arXiv:2401.09135, 2024 (Algorithm 3, eq. 6).
-  Douillard et al., "Decoupled DiLoCo", arXiv:2604.21428, 2026 (quorum and grace window).
+  "Decoupled DiLoCo", arXiv:2604.21428, 2026 (the quorum and its grace window).
 """
 
 from __future__ import annotations

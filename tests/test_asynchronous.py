@@ -265,3 +265,12 @@ def test_bad_arguments_are_named(kwargs, match):
                 total_steps=12, step_seconds=np.ones((64, WORKERS))) | kwargs  # fmt: skip
     with pytest.raises(ValueError, match=match):
         simulate(loss, jnp.zeros(DIM), batch, **args)
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    from shoal.experiments import asynchronous
+
+    result = doctest.testmod(asynchronous)
+    assert result.attempted >= 3 and result.failed == 0

@@ -160,3 +160,13 @@ def test_a_trace_must_have_a_factor_per_worker(tmp_path):
     path.write_text("# nothing\n")
     with pytest.raises(ValueError, match="holds no rows of factors"):
         check_speeds(f"trace:{path}", 2)
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    from shoal.costmodel import clock, speeds
+
+    for module in (clock, speeds):
+        result = doctest.testmod(module)
+        assert result.attempted >= 1 and result.failed == 0, module.__name__

@@ -222,3 +222,10 @@ def test_state_whose_shape_follows_the_worker_count_is_refused(tmp_path):
                r"shape follows the worker count\)")  # fmt: skip
     with pytest.raises(CheckpointError, match=message):
         resumed(tmp_path, "onebit_adam", 2)
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    result = doctest.testmod(elastic)
+    assert result.attempted >= 2 and result.failed == 0
