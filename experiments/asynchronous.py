@@ -176,8 +176,9 @@ class Simulation:
     """What `simulate` returns: the final global ``params``, every `Arrival` in the
     order applied, each outer step's time (``updates``), each worker's ``busy``
     (computing), ``comm`` (pushing and pulling) and ``idle`` (waiting for a quorum)
-    seconds and exact ``bytes_sent``/``bytes_received``, and the evaluations
-    (``(inner steps so far, time, on_update's value)``)."""
+    seconds, the bytes of one push or pull (``push_bytes``), each worker's exact
+    ``bytes_sent`` and ``bytes_received``, and the ``evaluations``: ``(the multiple of
+    evaluate_every crossed, time, evaluate's value)``, and the last at the run's end."""
 
     params: Any
     arrivals: list[Arrival]
@@ -185,6 +186,7 @@ class Simulation:
     busy: np.ndarray
     comm: np.ndarray
     idle: np.ndarray
+    push_bytes: int
     bytes_sent: np.ndarray
     bytes_received: np.ndarray
     evaluations: list[tuple[int, float, Any]]
@@ -383,7 +385,8 @@ def simulate(
 
     if evaluate is not None and (not evaluations or evaluations[-1][0] != applied_steps):
         evaluations.append((applied_steps, updates[-1] if updates else 0.0, evaluate(theta)))
-    return Simulation(theta, arrivals, updates, busy, comm, idle, sent, received, evaluations)
+    return Simulation(theta, arrivals, updates, busy, comm, idle, nbytes, sent, received,
+                      evaluations)  # fmt: skip
 
 
 def _stack(pairs: list[tuple[Any, Any]]) -> tuple[Any, Any]:

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import optax
 
-from shoal.checks import check_real
 from shoal.comms.codecs import TopK
 from shoal.comms.collective import Collective
 from shoal.optim._diloco import diloco_named
@@ -122,13 +121,10 @@ def sparseloco(
       Sarfi, Therien, Lidin & Belilovsky, "Communication Efficient LLM Pre-training with
       SparseLoCo", arXiv:2508.15706, 2025, Algorithm 1 and section 3.
     """
-    # A traced rate (optax.inject_hyperparams) cannot be checked here; optax.sgd takes it.
-    if not callable(outer_learning_rate):
+    if not callable(outer_learning_rate):  # (an injected, traced rate passes: optax takes it)
         check_hyper("outer_learning_rate", outer_learning_rate, 0, open_low=True,
                     why=" or a schedule")  # fmt: skip
-    beta = check_real("beta", beta, 0, 1, open_low=True)
-    density = check_real("density", density, 0, 1, open_low=True)
-    try:
+    try:  # the codec checks beta and density (its error_decay and fraction)
         exchange = TopK(density, chunk_size=chunk_size, value_bits=value_bits, error_decay=beta)
     except ValueError as e:  # name this factory's parameters, not the codec's
         msg = str(e).replace("error_decay", "beta").replace("fraction", "density")

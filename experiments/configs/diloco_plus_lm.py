@@ -34,6 +34,9 @@ ADAMW = {
     "clip": 1.0,
 }
 INNER = {"inner": {"adamw": ADAMW}}
+# The task and its workers, shared with `heterogeneous`.
+LM = dict(task="lm", workers=8, batch_size=4, seq_len=128, train_size=20000, test_size=512,
+          lm_width=64, lm_layers=2, lm_heads=4)  # fmt: skip
 
 
 def get_config() -> Config:
@@ -52,17 +55,9 @@ def get_config() -> Config:
             f"sparta[sync_every={H}]",
             f"noloco[sync_every={H}]",
         ),
-        task="lm",
-        workers=8,
+        **LM,
         steps=400,
-        batch_size=4,
-        seq_len=128,
-        train_size=20000,
-        test_size=512,
         eval_every=50,
-        lm_width=64,
-        lm_layers=2,
-        lm_heads=4,
         project_workers=64,
         project_cluster="wan-1gbps",
         params={

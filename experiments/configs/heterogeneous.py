@@ -30,13 +30,9 @@ flag every step, a barrier that would make every DiLoCo step wait for the slowes
 """
 
 from shoal.experiments.config import Config
+from shoal.experiments.configs.diloco_plus_lm import ADAMW, LM
 
 H = 20
-ADAMW = {
-    "learning_rate": 3e-3,
-    "schedule": {"kind": "cosine", "warmup_steps": 20},
-    "clip": 1.0,
-}
 INNER = {"inner": {"adamw": ADAMW}, "sync_every": H}
 
 
@@ -51,17 +47,9 @@ def get_config() -> Config:
             "async_diloco[nesterov_period=1;dynamic_steps=false]",
             "quorum_diloco",
         ),
-        task="lm",
-        workers=8,
+        **LM,
         steps=160,
-        batch_size=4,
-        seq_len=128,
-        train_size=20000,
-        test_size=512,
         eval_every=20,
-        lm_width=64,
-        lm_layers=2,
-        lm_heads=4,
         project_cluster="wan-1gbps",
         speeds="1",
         compute_ms=100.0,

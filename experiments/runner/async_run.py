@@ -27,7 +27,7 @@ from shoal.costmodel.speeds import speed_factors
 from shoal.experiments import asynchronous
 from shoal.experiments.algorithms import Context, Entry
 from shoal.experiments.config import Config, ConfigError
-from shoal.experiments.runner import clock, projection
+from shoal.experiments.runner import clock
 from shoal.experiments.runner.summary import base_summary, per_worker, time_to_target
 from shoal.experiments.tasks.protocol import metrics_of
 
@@ -64,7 +64,7 @@ def train(cfg: Config, task: Any, backend: Any, entry: Entry, *, checkpoints: An
     inner = entry.algorithm.build(entry.params, Context(None, cfg, task))
     n = cfg.workers
     params = task.init_params()
-    step_s = cfg.compute_ms / 1e3 if cfg.compute_ms else projection.compute_seconds(task)
+    step_s = clock.step_seconds(cfg, task)
     rows = cfg.steps * n  # a fast worker may run up to every step of the run
     factors = speed_factors(cfg.speeds, steps=rows, workers=n, seed=cfg.seed)
     cluster = clock.cluster_of(cfg)
@@ -95,7 +95,6 @@ def train(cfg: Config, task: Any, backend: Any, entry: Entry, *, checkpoints: An
 
 def _records(cfg: Config, entry: Entry, sim: Any, started: float) -> list[dict[str, Any]]:
     n = cfg.workers
-    nbytes = int(sim.bytes_sent.sum() // max(1, len(sim.arrivals)))  # one push's bytes
     evaluations = {s: metrics for s, _, metrics in sim.evaluations}
     out: list[dict[str, Any]] = []
     applied, losses = 0, []
@@ -108,7 +107,7 @@ def _records(cfg: Config, entry: Entry, sim: Any, started: float) -> list[dict[s
         for a in by_update[version]:
             applied += a.steps
             losses.append(a.loss)
-            window[a.worker] += nbytes
+            window[a.worker] += sim.push_bytes
         emitted = False
         while len(out) < cfg.steps and applied >= (len(out) + 1) * n:
             emitted = True

@@ -341,7 +341,7 @@ class Checkpointer:
     def _load_elastic(self, n_saved: int) -> dict[str, Any]:
         """MPI ranks resuming a checkpoint of ``n_saved`` ranks: every rank reads all of
         them at their newest common good step, and gets them stacked on the workers' axis
-        (``elastic_from``: the saved count), to be resized by `_Run.resume`."""
+        (``elastic_from``: the saved count), for `elastic.resized`."""
         dirs = [self.folder / f"rank_{r}" for r in range(n_saved)]
         common = set.intersection(*(set(committed_steps(d)) for d in dirs))
         problems, refusal, states, found = [], None, [], None

@@ -36,6 +36,11 @@ def cluster_of(cfg: Config) -> Cluster:
     return Cluster.preset(cfg.project_cluster, max(1, -(-cfg.workers // per_node)))
 
 
+def step_seconds(cfg: Config, task: Any) -> float:
+    """One worker's step on the clock: ``compute_ms``, or measured here when 0."""
+    return cfg.compute_ms / 1e3 if cfg.compute_ms else projection.compute_seconds(task)
+
+
 def _plotted_steps(events: list[list[Any]]) -> int:
     exchanges = [s for s, e in enumerate(events) if e]
     last = exchanges[PLOT_ROUNDS - 1] if len(exchanges) >= PLOT_ROUNDS else len(events) - 1
@@ -59,16 +64,16 @@ def clock_run(
     timeline plot)."""
     cluster = cluster_of(cfg)
     events = projection.step_events(cfg, entry, task, policy_changes, cfg.workers)
-    step_s = cfg.compute_ms / 1e3 if cfg.compute_ms else projection.compute_seconds(task)
+    step_s = step_seconds(cfg, task)
     factors = speed_factors(cfg.speeds, steps=cfg.steps, workers=cfg.workers, seed=cfg.seed)
     timeline = simulate(events, step_s * factors, cluster, group_size=entry.group_size,
                         keep_steps=_plotted_steps(events))  # fmt: skip
     for r in records:
         r["sim_time_s"] = float(timeline.end[r["step"] - 1])
-    return summary_fields(cfg, timeline, records, step_s)
+    return _summary(cfg, timeline, records, step_s)
 
 
-def summary_fields(
+def _summary(
     cfg: Config, timeline: Timeline, records: list[dict[str, Any]], step_s: float
 ) -> dict[str, Any]:
     shares = timeline.shares()

@@ -34,9 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from shoal.experiments.runner.checkpoint_files import CheckpointError
+from shoal.optim.helpers import error_feedback_mask
 from shoal.optim.readouts import evaluation_params
 
-__all__ = ["global_model", "resize"]
+__all__ = ["global_model", "resize", "resized", "totals"]
 
 
 def global_model(params: list[np.ndarray], opt_state: list[np.ndarray], p_def: Any,
@@ -123,3 +125,47 @@ def totals(x: np.ndarray, n_to: int) -> np.ndarray:
     """Per-worker byte totals to ``n_to`` workers: a leaver's onto worker ``i mod n_to``,
     a joiner's from 0; the job's total is unchanged."""
     return _rows(np.asarray(x, np.int64), n_to, ef=True, join=None)
+
+
+def resized(saved: dict[str, Any], label: str, backend: Any, params: Any, opt_state: Any,
+            n_to: int) -> dict[str, Any]:  # fmt: skip
+    """A loaded checkpoint of ``saved["elastic_from"]`` workers (every saved worker's leaves
+    stacked) as this process's workers of ``n_to`` (the module's rule), ready for
+    `shoal.experiments.runner.checkpoint.unpack` into ``params`` and ``opt_state`` (this
+    run's fresh ones: their structure, held leaves and error-feedback fields).
+
+    Raises:
+      CheckpointError: another structure, or a per-worker leaf whose shape follows the
+        worker count (named).
+    """
+    n_from = saved["elastic_from"]
+    held = set(backend.held(opt_state))
+    params, opt_state = backend.stacked(params), backend.stacked(opt_state)
+    n_params = len(jax.tree.leaves(params))
+    o_paths = jax.tree_util.tree_leaves_with_path(opt_state)
+    if len(saved["params"]) != n_params or len(saved["opt_state"]) != len(o_paths):
+        raise CheckpointError("the saved state has a different structure than this run's")
+    p_saved = [saved["params"][str(i)] for i in range(n_params)]
+    o_saved = [saved["opt_state"][str(i)] for i in range(len(o_paths))]
+    for k, ((path, now), old) in enumerate(zip(o_paths, o_saved)):
+        per_worker = k not in held
+        if np.shape(now)[per_worker:] != old.shape[per_worker:]:
+            raise CheckpointError(
+                f"cannot resume {label} with {n_to} workers from a checkpoint of {n_from}: "
+                f"its optimizer state leaf {jax.tree_util.keystr(path)} is "
+                f"{list(old.shape[per_worker:])} per worker there and "
+                f"{list(np.shape(now)[per_worker:])} here (its shape follows the worker "
+                f"count); resume with {n_from} workers"
+            )
+    ef = [bool(x) for x in jax.tree.leaves(error_feedback_mask(opt_state))]
+    # One worker's tree has the stacked one's structure (only the leaves' shapes differ).
+    p_def, o_def = jax.tree.structure(params), jax.tree.structure(opt_state)
+    joined = global_model(p_saved, o_saved, p_def, o_def, held) if n_to > n_from else None
+    p_new, o_new = resize(p_saved, o_saved, n_to, held=held, error_feedback=ef, joined=joined)
+    rows = slice(None) if backend.name == "sim" else slice(backend.rank, backend.rank + 1)
+    out = dict(saved)
+    out["params"] = {str(i): x[rows] for i, x in enumerate(p_new)}
+    out["opt_state"] = {str(i): x if i in held else x[rows] for i, x in enumerate(o_new)}
+    out["sent_total"] = totals(saved["sent_total"], n_to)
+    out["received_total"] = totals(saved["received_total"], n_to)
+    return out

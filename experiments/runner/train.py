@@ -27,18 +27,13 @@ from shoal.experiments.runner import (
     policies,
     projection,
 )
-from shoal.experiments.runner import summary as summary_fields
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
+from shoal.experiments.runner.summary import base_summary, per_worker
 from shoal.experiments.tasks.protocol import metrics_of
 from shoal.optim import NonFiniteGradientError, update_and_apply
-from shoal.optim.helpers import (
-    check_same_model,
-    error_feedback_mask,
-    same_model_check,
-    take_raised,
-)
+from shoal.optim.helpers import check_same_model, same_model_check, take_raised
 from shoal.optim.readouts import READOUTS, evaluation_params, step_figures
 
 MB = 1e6  # bytes; reports say "MB" in decimal units
@@ -246,7 +241,9 @@ class _Run:
             self.opt_state = self.init_state()
         backend = self.backend
         if saved.get("elastic_from") not in (None, self.cfg.workers):
-            saved = self.resized(saved, saved["elastic_from"])
+            saved = elastic.resized(
+                saved, self.entry.label, backend, self.params, self.opt_state, self.cfg.workers
+            )
         state = checkpoint.unpack(
             saved,
             backend.stacked(self.params),
@@ -260,46 +257,6 @@ class _Run:
         self.first = state["step"] + 1
         self.finished = bool(state["finished"])
         self.summary = state["summary"] if backend.is_root else None
-
-    def resized(self, saved: dict[str, Any], n_from: int) -> dict[str, Any]:
-        """A checkpoint of ``n_from`` workers (every saved worker's leaves stacked) as this
-        process's workers of ``cfg.workers`` (`shoal.experiments.runner.elastic`)."""
-        backend, n_to = self.backend, self.cfg.workers
-        params, opt_state = backend.stacked(self.params), backend.stacked(self.opt_state)
-        held = set(backend.held(self.opt_state))
-        p_now = jax.tree.leaves(params)
-        o_paths = jax.tree_util.tree_leaves_with_path(opt_state)
-        if len(saved["params"]) != len(p_now) or len(saved["opt_state"]) != len(o_paths):
-            raise checkpoint.CheckpointError(
-                "the saved state has a different structure than this run's"
-            )
-        p_saved = [saved["params"][str(i)] for i in range(len(p_now))]
-        o_saved = [saved["opt_state"][str(i)] for i in range(len(o_paths))]
-        for k, ((path, now), old) in enumerate(zip(o_paths, o_saved)):
-            per_worker = k not in held
-            if np.shape(now)[per_worker:] != old.shape[per_worker:]:
-                raise checkpoint.CheckpointError(
-                    f"cannot resume {self.entry.label} with {n_to} workers from a checkpoint "
-                    f"of {n_from}: its optimizer state leaf {jax.tree_util.keystr(path)} is "
-                    f"{list(old.shape[per_worker:])} per worker there and "
-                    f"{list(np.shape(now)[per_worker:])} here (its shape follows the worker "
-                    f"count); resume with {n_from} workers"
-                )
-        ef = [bool(x) for x in jax.tree.leaves(error_feedback_mask(opt_state))]
-        # One worker's tree has the stacked one's structure (only the leaves' shapes differ).
-        p_def, o_def = jax.tree.structure(params), jax.tree.structure(opt_state)
-        joined = (
-            elastic.global_model(p_saved, o_saved, p_def, o_def, held) if n_to > n_from else None
-        )
-        p_new, o_new = elastic.resize(p_saved, o_saved, n_to, held=held, error_feedback=ef,
-                                      joined=joined)  # fmt: skip
-        rows = slice(None) if backend.name == "sim" else slice(backend.rank, backend.rank + 1)
-        out = dict(saved)
-        out["params"] = {str(i): x[rows] for i, x in enumerate(p_new)}
-        out["opt_state"] = {str(i): x if i in held else x[rows] for i, x in enumerate(o_new)}
-        out["sent_total"] = elastic.totals(saved["sent_total"], n_to)
-        out["received_total"] = elastic.totals(saved["received_total"], n_to)
-        return out
 
     def batch(self, step: int) -> list[Any]:
         """This process's rows of step ``step``'s batch (and of the injected fault)."""
@@ -409,8 +366,8 @@ class _Run:
             "seed": self.cfg.seed,
             "step": step,
             "loss": float(np.mean(loss, dtype=np.float64)),
-            "bytes_sent": summary_fields.per_worker(sent),
-            "bytes_received": summary_fields.per_worker(received),
+            "bytes_sent": per_worker(sent),
+            "bytes_received": per_worker(received),
             "mb_sent": float(self.sent_total.mean() / MB),
             "mb_received": float(self.received_total.mean() / MB),
         }
@@ -431,7 +388,7 @@ class _Run:
         """The root's summary of the finished run (with its projection, if asked for)."""
         records, cfg = self.records, self.cfg
         wall = time.perf_counter() - self.start
-        summary = summary_fields.base_summary(self.entry.label, cfg, records, wall)
+        summary = base_summary(self.entry.label, cfg, records, wall)
         if cfg.project_workers:
             summary.update(projection.project_run(cfg, self.entry, self.task, self.policy_changes))
         if cfg.speeds:
