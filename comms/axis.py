@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shoal.comms import presence
 from shoal.comms.collective import (
     all_to_all_sum,
     check_all_to_all,
@@ -132,11 +133,14 @@ class AxisCollective:
         check_op(op)
         self._check_axis()
         simulated = self.simulated()
+        among = presence.current(self.axis_name)
 
         def one(x):
             x = jnp.asarray(x)
             if op == "mean" and not jnp.issubdtype(x.dtype, jnp.inexact):
                 raise TypeError(f"all_reduce(op='mean') needs a floating leaf, got dtype {x.dtype}")
+            if among is not None:
+                return _reduce_present(x, op, among, simulated)
             if not simulated:
                 fn = {"mean": lax.pmean, "sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op]
                 return fn(x, self.axis_name)
@@ -167,7 +171,10 @@ class AxisCollective:
         self._check_axis()
         if not self.simulated():
             return x
-        return jax.tree.map(lambda v: lax.all_gather(v, self.axis_name)[0], x)
+        among = presence.current(self.axis_name)
+        # Under churn an absent worker's copy may be stale: take the first present one's.
+        row = 0 if among is None else among.first()
+        return jax.tree.map(lambda v: lax.all_gather(v, self.axis_name)[row], x)
 
     def all_gather(self, x: jax.Array) -> jax.Array:
         """Every worker's ``x``, stacked.
@@ -181,6 +188,7 @@ class AxisCollective:
         Returns:
           an array of shape ``[size, *x.shape]`` whose row ``j`` is worker ``j``'s ``x``.
         """
+        presence.refuse("AxisCollective.all_gather", self.axis_name)
         self._check_axis()
         return lax.all_gather(x, self.axis_name)
 
@@ -197,6 +205,7 @@ class AxisCollective:
         Returns:
           an array of ``x``'s shape whose row ``j`` is row ``r`` of worker ``j``'s ``x``.
         """
+        presence.refuse("AxisCollective.all_to_all", self.axis_name)
         check_all_to_all(x, self.size)
         self._check_axis()
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
@@ -216,6 +225,7 @@ class AxisCollective:
         Returns:
           an array of shape ``x.shape[1:]``, summed in ``float32`` or wider.
         """
+        presence.refuse("AxisCollective.reduce_scatter", self.axis_name)
         check_all_to_all(x, self.size, "reduce_scatter")
         self._check_axis()
         if not self.simulated():
@@ -264,6 +274,7 @@ class AxisCollective:
         Returns:
           a pytree like ``tree`` holding ``root``'s values on every worker.
         """
+        presence.refuse("AxisCollective.broadcast", self.axis_name)
         root = check_root(root, self.size)
         self._check_axis()
         if self.simulated():  # worker root's row of the (free, unbatched) gather
@@ -303,6 +314,7 @@ class AxisCollective:
           an array like ``x``: the sender's ``x``, or zeros on a worker that is nobody's
           destination.
         """
+        presence.refuse("AxisCollective.ppermute", self.axis_name)
         pairs = check_perm(perm, self.size)
         self._check_axis()
         # vmap's ppermute needs a full permutation: route the idle workers among
@@ -335,6 +347,7 @@ class AxisCollective:
         Returns:
           the array this worker received.
         """
+        presence.refuse("AxisCollective.ppermute_switch", self.axis_name)
         perms = check_perms(perms, self.size)
         self._check_axis()
         if not self.simulated():
@@ -368,3 +381,43 @@ class AxisCollective:
 
         groups = check_group_size(self.size, group_size)
         return AxisCollective(intra_axis, group_size), AxisCollective(inter_axis, groups)
+
+
+def _reduce_present(x: jax.Array, op: str, among: presence.Presence, simulated: bool):
+    """`AxisCollective.all_reduce` of one leaf over the present workers
+    (`shoal.comms.presence`): a mean weighted by ``among.weights``, the others over the
+    present workers only."""
+    mask = among.mask
+    if op in ("max", "min"):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            fill = -jnp.inf if op == "max" else jnp.inf
+        else:
+            info = jnp.iinfo(x.dtype) if x.dtype != jnp.bool_ else None
+            fill = (info.min if op == "max" else info.max) if info else op == "min"
+        fill = jnp.asarray(fill, x.dtype)
+    weights = among.weights if op == "mean" else mask.astype(jnp.float32)
+    if simulated:
+        rows = lax.all_gather(x, among.axis_name)
+        keep = mask.reshape(mask.shape + (1,) * x.ndim)
+        if op in ("max", "min"):
+            rows = jnp.where(keep, rows, fill)
+            return (jnp.max if op == "max" else jnp.min)(rows, axis=0)
+        # An absent worker's row is zeroed, not multiplied by 0: its stale values may be
+        # infinite, and 0 * inf is NaN.
+        rows = jnp.where(keep, rows, jnp.zeros((), rows.dtype))
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.sum(rows, axis=0, dtype=x.dtype)
+        total = sum_rows(rows, weights)
+    else:
+        me = lax.axis_index(among.axis_name)
+        if op in ("max", "min"):
+            fn = lax.pmax if op == "max" else lax.pmin
+            return fn(jnp.where(mask[me], x, fill), among.axis_name)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return lax.psum(jnp.where(mask[me], x, jnp.zeros((), x.dtype)), among.axis_name)
+        acc = promote_types(x.dtype, jnp.float32)
+        mine = jnp.where(mask[me], x.astype(acc) * weights[me].astype(acc), 0)
+        total = lax.psum(mine, among.axis_name)
+    if op == "sum":
+        return total.astype(x.dtype)
+    return (total / jnp.sum(weights).astype(total.dtype)).astype(x.dtype)

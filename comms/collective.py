@@ -263,15 +263,17 @@ def uniform_over(collectives: Collective | Sequence[Collective], x: Any) -> Any:
     return x
 
 
-def sum_rows(rows: jax.Array) -> jax.Array:
+def sum_rows(rows: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """``rows.sum(0)`` at memory bandwidth, for every engine (XLA:CPU reduces over a
     leading axis ~30x slower, and fuses an add chain into each consumer): a dot with a
     ones vector for floats (f32 accumulation, full precision also on GPUs that would use
-    TF32), a plain sum for the small integer flags and counts."""
+    TF32), a plain sum for the small integer flags and counts. With ``weights`` (``[n]``
+    floats; floating rows only) the weighted sum ``weights @ rows``, in the same dot."""
     if not jnp.issubdtype(rows.dtype, jnp.floating):
         return jnp.sum(rows, axis=0, dtype=rows.dtype)
     n = rows.shape[0]
     flat = rows.reshape(n, -1)
     acc = jnp.float32 if rows.dtype.itemsize < 4 else rows.dtype
-    total = jnp.dot(jnp.ones((n,), acc), flat.astype(acc), precision=lax.Precision.HIGHEST)
+    w = jnp.ones((n,), acc) if weights is None else jnp.asarray(weights).astype(acc)
+    total = jnp.dot(w, flat.astype(acc), precision=lax.Precision.HIGHEST)
     return total.reshape(rows.shape[1:]).astype(rows.dtype)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shoal.comms import presence
 from shoal.trees import find_instances
 
 _WORD = 1 << 32
@@ -71,8 +72,11 @@ class ByteCount(NamedTuple):
         return cls(jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32))
 
     @classmethod
-    def of(cls, n: int) -> ByteCount:
-        """``n`` bytes, a static Python int (byte counts are known at trace time)."""
+    def of(cls, n: int | ByteCount) -> ByteCount:
+        """``n`` bytes, a static Python int (byte counts are known at trace time), or a
+        `ByteCount` as it is (a traced count: under churn, `shoal.comms.presence`)."""
+        if isinstance(n, ByteCount):
+            return n
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"a byte count is a static Python int, got {type(n).__name__}")
         n = int(n)
@@ -134,8 +138,9 @@ class WireCount(NamedTuple):
         return cls(ByteCount.zero(), ByteCount.zero())
 
     @classmethod
-    def of(cls, sent: int, received: int) -> WireCount:
-        """From static Python ints (the bytes of the collective calls of one update)."""
+    def of(cls, sent: int | ByteCount, received: int | ByteCount) -> WireCount:
+        """From static Python ints (the bytes of the collective calls of one update), or
+        `ByteCount` s (traced, under churn)."""
         return cls(ByteCount.of(sent), ByteCount.of(received))
 
     def __add__(self, other):  # elementwise, not tuple concatenation
@@ -244,16 +249,34 @@ def tree_nbytes(tree: Any) -> int:
     )
 
 
-def all_reduce_bytes(nbytes: int, size: int) -> tuple[int, int]:
+def all_reduce_bytes(nbytes: int, size: int) -> tuple[Any, Any]:
+    """Bytes one worker sends and receives in a ring all-reduce of ``nbytes`` among
+    ``size`` workers, ``2 (size - 1) / size`` of them each way: static ints, or under
+    churn (`shoal.comms.presence`) traced `ByteCount` s for the workers present."""
+    among = presence.current()
+    if among is not None:
+        _check_among(among, size)
+        b = ByteCount(*among.per_count(lambda p: 2 * (p - 1) * nbytes // p))
+        return b, b
     b = 2 * (size - 1) * nbytes // size
     return b, b
 
 
 def all_gather_bytes(nbytes: int, size: int) -> tuple[int, int]:
+    presence.refuse("an all-gather")
     b = (size - 1) * nbytes
     return b, b
 
 
 def all_to_all_bytes(nbytes: int, size: int) -> tuple[int, int]:
+    presence.refuse("an all-to-all")
     b = (size - 1) * nbytes // size
     return b, b
+
+
+def _check_among(among: presence.Presence, size: int) -> None:
+    if size != among.size:
+        raise presence.ChurnError(
+            f"churn covers one collective of all {among.size} workers; a collective of "
+            f"{size} (a group of a two-tier algorithm) cannot tell who is present"
+        )

@@ -12,6 +12,9 @@ A "ppermute" waits for its whole group too: the recorded event does not say whic
 it joined, so a gossip exchange is charged as if every worker waited for the slowest
 (an upper bound on the idle time of peer-to-peer methods).
 
+Churn (``present``): an absent worker computes nothing and joins no collective; its time
+away counts as absent, and it comes back at the time its previous step ended for the job.
+
 Pure NumPy; deterministic: the same inputs give the same clock, bit for bit.
 """
 
@@ -27,7 +30,7 @@ from shoal.costmodel.projection import Event, step_comm_time
 
 __all__ = ["Timeline", "simulate"]
 
-COMPUTE, COMM, IDLE = "compute", "comm", "idle"
+COMPUTE, COMM, IDLE, ABSENT = "compute", "comm", "idle", "absent"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,9 @@ class Timeline:
         waited for others; with the time it is ahead at the end, ``busy + comm + idle``
         is ``end[-1]`` for every worker that finished last.
       segments: ``(worker, start, seconds, kind)`` of the first ``keep_steps`` steps,
-        ``kind`` one of ``"compute"``, ``"comm"``, ``"idle"``: what a timeline plot draws.
+        ``kind`` one of ``"compute"``, ``"comm"``, ``"idle"``, ``"absent"``: what a
+        timeline plot draws.
+      absent: ``[workers]`` seconds each worker was away (churn; zeros without).
     """
 
     end: np.ndarray
@@ -49,17 +54,21 @@ class Timeline:
     comm: np.ndarray
     idle: np.ndarray
     segments: tuple[tuple[int, float, float, str], ...]
+    absent: np.ndarray | None = None
 
     def shares(self) -> dict[str, np.ndarray]:
-        """Each worker's busy, communicating and idle share of the run's time ``end[-1]``
-        (the time it is done early counts as idle: it waits for the job to end)."""
+        """Each worker's busy, communicating, idle and absent share of the run's time
+        ``end[-1]`` (the time it is done early counts as idle: it waits for the job to
+        end)."""
         total = float(self.end[-1]) if len(self.end) else 0.0
+        away = np.zeros_like(self.busy) if self.absent is None else self.absent
         if total <= 0:
             zero = np.zeros_like(self.busy)
-            return {"busy": zero, "comm": zero, "idle": zero}
+            return {"busy": zero, "comm": zero, "idle": zero, "absent": zero}
         # waits within the run, and after its end (rounding can leave -1e-17)
-        idle = np.maximum(total - self.busy - self.comm, 0.0)
-        return {"busy": self.busy / total, "comm": self.comm / total, "idle": idle / total}
+        idle = np.maximum(total - self.busy - self.comm - away, 0.0)
+        return {"busy": self.busy / total, "comm": self.comm / total, "idle": idle / total,
+                "absent": away / total}  # fmt: skip
 
 
 def _groups(group: str, workers: int, group_size: int) -> list[np.ndarray]:
@@ -78,6 +87,7 @@ def simulate(
     *,
     group_size: int | None = None,
     keep_steps: int = 0,
+    present: np.ndarray | None = None,
 ) -> Timeline:
     """The simulated clock of a run whose step ``s`` performs ``step_events[s]``.
 
@@ -88,6 +98,8 @@ def simulate(
       cluster: the links (`Cluster`) that time each collective.
       group_size: the "intra" group's size (default: ``cluster.workers_per_node``).
       keep_steps: how many first steps' segments to keep for a plot.
+      present: ``[steps, workers]`` bools, who is present at each step (churn); None:
+        everyone.
 
     Returns:
       a `Timeline`.
@@ -111,16 +123,22 @@ def simulate(
         raise ValueError(f"compute has {workers} workers, the cluster {cluster.workers}")
     if not np.all(np.isfinite(compute)) or np.any(compute < 0):
         raise ValueError("compute must hold finite seconds >= 0")
+    here = np.ones((steps, workers), bool) if present is None else np.asarray(present, bool)
+    if here.shape != (steps, workers):
+        raise ValueError(f"present must be [steps, workers] = {[steps, workers]}")
+    compute = np.where(here, compute, 0.0)
     size = cluster.workers_per_node if group_size is None else group_size
     clock = np.zeros(workers)
     busy, comm, idle = np.zeros(workers), np.zeros(workers), np.zeros(workers)
+    away = np.zeros(workers)
     end = np.zeros(steps)
     segments: list[tuple[int, float, float, str]] = []
     keep = lambda s: s < keep_steps  # noqa: E731
     seconds_of: dict[Event, float] = {}  # a run repeats few distinct events
     for s in range(steps):
         if keep(s):
-            segments += [(w, clock[w], compute[s, w], COMPUTE) for w in range(workers)]
+            segments += [(w, clock[w], compute[s, w], COMPUTE) for w in range(workers)
+                         if here[s, w]]  # fmt: skip
         clock = clock + compute[s]
         busy += compute[s]
         for event in step_events[s]:
@@ -128,6 +146,9 @@ def simulate(
                 seconds_of[event] = step_comm_time([event], cluster, group_size=group_size)
             seconds = seconds_of[event]
             for members in _groups(event.group, workers, size):
+                members = members[here[s, members]]
+                if not members.size:
+                    continue
                 start = clock[members].max()
                 wait = start - clock[members]
                 if keep(s):
@@ -137,6 +158,13 @@ def simulate(
                 idle[members] += wait
                 comm[members] += seconds
                 clock[members] = start + seconds
-        end[s] = clock.max()
+        end[s] = clock[here[s]].max()
+        # The absent are away until the job ends this step: a joiner starts from there.
+        gone = ~here[s]
+        if keep(s):
+            segments += [(int(w), clock[w], end[s] - clock[w], ABSENT)
+                         for w in np.flatnonzero(gone) if end[s] > clock[w]]  # fmt: skip
+        away[gone] += np.maximum(end[s] - clock[gone], 0.0)
+        clock[gone] = np.maximum(clock[gone], end[s])
     return Timeline(end, busy, comm, idle, tuple((w, float(a), float(d), k)
-                                                 for w, a, d, k in segments))  # fmt: skip
+                                                 for w, a, d, k in segments), away)  # fmt: skip

@@ -35,7 +35,9 @@ DISTRIBUTIONS = ("lognormal", "pareto")
 _STREAM = 0x5EED  # the generator's second seed word: speeds do not share the data's stream
 
 
-def _workers(text: str, workers: int, spec: str) -> list[int]:
+def worker_set(text: str, workers: int, spec: str, field: str = "speeds") -> list[int]:
+    """The workers ``text`` names (``i``, ``i-j``, joined by ``+``), checked against
+    ``workers``; errors name ``field = spec``."""
     out: list[int] = []
     for part in text.split("+"):
         lo, _, hi = part.partition("-")
@@ -43,11 +45,11 @@ def _workers(text: str, workers: int, spec: str) -> list[int]:
             a, b = int(lo), int(hi or lo)
         except ValueError:
             raise ValueError(
-                f"speeds = {spec!r}: workers {text!r} must be i, i-j or ranges joined by '+'"
+                f"{field} = {spec!r}: workers {text!r} must be i, i-j or ranges joined by '+'"
             ) from None
         if not 0 <= a <= b < workers:
             raise ValueError(
-                f"speeds = {spec!r}: workers {part!r} must lie in 0-{workers - 1} "
+                f"{field} = {spec!r}: workers {part!r} must lie in 0-{workers - 1} "
                 f"({workers} workers), low to high"
             )
         out += range(a, b + 1)
@@ -124,7 +126,7 @@ def speed_factors(spec: str, *, steps: int, workers: int, seed: int) -> np.ndarr
             factor, at, which = term.partition("@")
             f = _number(factor, "a factor", spec)
             if at:
-                out[:, _workers(which, workers, spec)] *= f
+                out[:, worker_set(which, workers, spec)] *= f
             else:
                 out *= f
     return out

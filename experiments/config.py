@@ -89,6 +89,10 @@ class RunFields:
     speeds: str = ""
     compute_ms: float = 0.0
     target_loss: float = 0.0
+    # Churn (`shoal.experiments.churn`, simulated workers only): workers that leave and
+    # come back, e.g. "leave:3@100-160,join:5@40" (absent workers compute and send
+    # nothing; averages weigh the present ones by tokens). "" none.
+    churn: str = ""
 
     # Checkpoints (`shoal.experiments.runner.checkpoint`): every checkpoint_every steps (0: none
     # periodically; a run that checkpoints also saves when it stops), resumed with --resume.
@@ -185,6 +189,15 @@ class RunFields:
                 f"a multiple of the {per_node} workers per node of project_cluster = "
                 f"{self.project_cluster!r} when speeds is set (the simulated clock's links)",
             )
+
+        if self.churn:
+            from shoal.experiments.churn import check_churn
+
+            try:
+                check_churn(self.churn, steps=self.steps, workers=self.workers)
+            except ValueError as e:
+                raise ConfigError(f"config field {e}") from None  # "churn = '...': ..."
+            check_field(self.grad_chunk == 0, "grad_chunk", "0 when churn is set")
 
     def steps_per_program(self) -> int:
         """``scan_steps``, or for 0 the largest divisor of ``eval_every`` up to

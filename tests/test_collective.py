@@ -199,3 +199,12 @@ def test_axis_collective_wrong_axis_size():
         c.rank()
     with pytest.raises(ValueError, match="size must be an int >= 1"):
         AxisCollective("workers", 0)
+
+
+@pytest.mark.skipif(not UNDER_MPI, reason="the MPI collective's refusal")
+def test_mpi_collective_refuses_churn():
+    from shoal.comms.presence import present
+
+    with pytest.raises(ValueError, match="not MPICollective.*--backend sim"):
+        with present(world(), jnp.ones(N)):
+            pass

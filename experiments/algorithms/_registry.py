@@ -129,6 +129,9 @@ class Algorithm:
     # from the hyper-parameters and the run; ``build`` then gives each worker's inner
     # optimizer, and the runner plays the rounds on the simulated clock.
     asynchronous: Callable[[Any, Config], Any] | None = None
+    # Runs under churn (`shoal.experiments.churn`): its exchanges are all-reduces whose
+    # mean over the present workers is its rule, and nothing else counts the workers.
+    churn: bool = False
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -148,6 +151,7 @@ def register(
     compares_to: str | None = None,
     warmup: Callable[[Any, Config], int] | None = None,
     asynchronous: Callable[[Any, Config], Any] | None = None,
+    churn: bool = False,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make the builder ``build(params, ctx)`` runnable as ``name``.
 
@@ -174,6 +178,10 @@ def register(
       asynchronous: ``plan(params, run)``, an `shoal.experiments.asynchronous.Plan`: the
         algorithm's outer steps are asynchronous, simulated on the clock (simulated
         workers only); the builder gives each worker's inner optimizer.
+      churn: it may run with config ``churn`` (workers leaving and joining): every
+        exchange is an all-reduce whose token-weighted mean over the present workers is
+        the algorithm's rule, and no formula of it counts the workers (BMUF's block
+        momentum ``1 - 1/N`` does; the noise scale's batch sizes do).
     """
     if not (isinstance(params, type) and issubclass(params, Hyper)):
         raise TypeError(f"register({name!r}): params must be a Hyper dataclass, got {params!r}")
@@ -190,7 +198,7 @@ def register(
             raise ValueError(f"algorithm {name!r} is already registered")
         ALGORITHMS[name] = Algorithm(
             name, params, build, skip_in_place, two_tier, policy, reference, compares_to,
-            warmup, family, asynchronous,
+            warmup, family, asynchronous, churn,
         )  # fmt: skip
         return build
 

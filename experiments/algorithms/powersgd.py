@@ -21,7 +21,7 @@ class PowerSGD(Hyper):
     local: LocalSGD = LocalSGD()
 
 
-@register("powersgd", PowerSGD, skip_in_place=None, family="compressed")
+@register("powersgd", PowerSGD, skip_in_place=None, family="compressed", churn=True)
 def build(p: PowerSGD, ctx: Context) -> optax.GradientTransformation:
     tx = optim.powersgd(p.rank, collective=ctx.comms, start_step=p.start_step, seed=ctx.run.seed)
     return optax.chain(tx, p.local.make(ctx.run.steps))

@@ -41,7 +41,7 @@ class Sparta(Hyper):
             )
 
 
-@register("sparta", Sparta, skip_in_place=None, family="local")
+@register("sparta", Sparta, skip_in_place=None, family="local", churn=True)
 def build(p: Sparta, ctx: Context) -> optax.GradientTransformation:
     inner = p.inner.make(ctx.run.steps)
     if p.sync_every:

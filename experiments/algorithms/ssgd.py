@@ -19,6 +19,6 @@ class SSGD(Hyper):
     local: LocalSGD = LocalSGD()
 
 
-@register("ssgd", SSGD, skip_in_place=None, family="dense", reference=True)
+@register("ssgd", SSGD, skip_in_place=None, family="dense", reference=True, churn=True)
 def build(p: SSGD, ctx: Context) -> optax.GradientTransformation:
     return optax.chain(optim.allreduce_gradients(collective=ctx.comms), p.local.make(ctx.run.steps))

@@ -20,6 +20,6 @@ class SSGDAdamW(Hyper):
     adamw: AdamW = AdamW()
 
 
-@register("ssgd_adamw", SSGDAdamW, skip_in_place=None, family="dense")
+@register("ssgd_adamw", SSGDAdamW, skip_in_place=None, family="dense", churn=True)
 def build(p: SSGDAdamW, ctx: Context) -> optax.GradientTransformation:
     return optax.chain(optim.allreduce_gradients(collective=ctx.comms), p.adamw.make(ctx.run.steps))

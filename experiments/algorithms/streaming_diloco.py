@@ -35,7 +35,7 @@ class StreamingDiLoCo(RoundFields):
         )
 
 
-@register("streaming_diloco", StreamingDiLoCo, skip_in_place=None, family="local")
+@register("streaming_diloco", StreamingDiLoCo, skip_in_place=None, family="local", churn=True)
 def build(p: StreamingDiLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.streaming_diloco(
         p.inner.make(ctx.run.steps),

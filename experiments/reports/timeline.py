@@ -12,8 +12,9 @@ from matplotlib.patches import Patch
 
 from shoal.experiments.reports.seeds import by_entry
 
-COLORS = {"compute": "#4477aa", "comm": "#ee7733", "idle": "#dddddd"}
-LABELS = {"compute": "compute", "comm": "communication", "idle": "waiting for others"}
+COLORS = {"compute": "#4477aa", "comm": "#ee7733", "idle": "#dddddd", "absent": "#aa3377"}
+LABELS = {"compute": "compute", "comm": "communication", "idle": "waiting for others",
+          "absent": "absent (churn)"}  # fmt: skip
 
 
 def plot_timeline(path: Path, summaries: Sequence[dict[str, Any]]) -> Figure:
@@ -35,21 +36,29 @@ def plot_timeline(path: Path, summaries: Sequence[dict[str, Any]]) -> Figure:
         ax.set_ylabel("worker")
         ax.set_title(
             f"{s['algorithm']}\nover the whole run, compute {_pct(s['busy_share'])}, "
-            f"communication {_pct(s['comm_share'])}, waiting {_pct(s['idle_share'])} "
+            f"communication {_pct(s['comm_share'])}, waiting {_pct(s['idle_share'])}"
+            f"{_away(s)} "
             f"(mean over workers); one step {s['clock']['step_ms']:.3g} ms x its speed",
             fontsize="medium",
             loc="left",
         )
         ax.grid(True, axis="x", alpha=0.3)
     axes[-1].set_xlabel("simulated seconds from the start (the first rounds)")
-    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS],
-               loc="outside upper right", ncols=3)  # fmt: skip
+    kinds = {k for s in rows for *_, k in s["clock"]["segments"]}  # "absent" with churn
+    shown = [k for k in COLORS if k != "absent" or k in kinds]
+    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in shown],
+               loc="outside upper right", ncols=len(shown))  # fmt: skip
     fig.savefig(path, dpi=120)
     return fig
 
 
 def _workers(summary: dict[str, Any]) -> int:
     return len(summary["clock"]["shares"]["busy"])
+
+
+def _away(summary: dict[str, Any]) -> str:
+    share = summary.get("absent_share")  # with churn only
+    return f", absent {_pct(share)}" if share is not None and share.mean > 0 else ""
 
 
 def _pct(value: Any) -> str:

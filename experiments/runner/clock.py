@@ -5,7 +5,8 @@ The run's collectives are replayed step by step (`projection.step_events`, for
 ``cfg.workers`` workers) and timed by `shoal.costmodel.clock.simulate`, with each
 worker's compute time: one worker's step (``compute_ms``, or measured here when 0) times
 its factor from `shoal.costmodel.speeds`. Workers of a synchronous algorithm still train
-in lock-step: speeds change the clock, not the numbers. With ``compute_ms`` given the
+in lock-step: speeds change the clock, not the numbers. Under ``churn`` the absent
+workers compute nothing and wait for no one (`simulate`'s ``present``). With ``compute_ms`` given the
 clock is deterministic, bit for bit; measured, it varies with this machine's load.
 """
 
@@ -19,6 +20,7 @@ from shoal.costmodel import PRESETS, Cluster
 from shoal.costmodel.clock import Timeline, simulate
 from shoal.costmodel.speeds import speed_factors
 from shoal.experiments import algorithms
+from shoal.experiments.churn import Schedule
 from shoal.experiments.config import Config
 from shoal.experiments.runner import projection
 from shoal.experiments.runner.summary import time_to_target
@@ -66,8 +68,9 @@ def clock_run(
     events = projection.step_events(cfg, entry, task, policy_changes, cfg.workers)
     step_s = step_seconds(cfg, task)
     factors = speed_factors(cfg.speeds, steps=cfg.steps, workers=cfg.workers, seed=cfg.seed)
+    present = Schedule.parse(cfg.churn, steps=cfg.steps, workers=cfg.workers).present
     timeline = simulate(events, step_s * factors, cluster, group_size=entry.group_size,
-                        keep_steps=_plotted_steps(events))  # fmt: skip
+                        keep_steps=_plotted_steps(events), present=present)  # fmt: skip
     for r in records:
         r["sim_time_s"] = float(timeline.end[r["step"] - 1])
     return _summary(cfg, timeline, records, step_s)
@@ -83,6 +86,7 @@ def _summary(
         "busy_share": float(np.mean(shares["busy"])),
         "comm_share": float(np.mean(shares["comm"])),
         "idle_share": float(np.mean(shares["idle"])),
+        "absent_share": float(np.mean(shares["absent"])),
         "clock": {
             "step_ms": 1e3 * step_s,
             "shares": {k: [float(x) for x in v] for k, v in shares.items()},

@@ -15,6 +15,7 @@ import optax
 
 from shoal import vma
 from shoal.comms import wire_bytes
+from shoal.comms.presence import ChurnError
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import Entry
 from shoal.experiments.config import Config, ConfigError
@@ -27,6 +28,7 @@ from shoal.experiments.runner import (
     policies,
     projection,
 )
+from shoal.experiments.runner import churn as churn_run
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
@@ -120,7 +122,8 @@ def check_grad_chunk(grad_chunk: int, backend: str, workers: int) -> None:
         raise ConfigError(f"grad_chunk = {grad_chunk} must divide the number of workers {workers}")
 
 
-def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_chunk=0, scan=False):
+def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_chunk=0, scan=False,
+                 churn=False):  # fmt: skip
     """`make_step` for all of ``backend``'s workers (``backend.spmd``). With ``grad_chunk = K
     > 0`` (`SimBackend` only) the workers' gradients are computed K workers at a time
     (``jax.lax.map`` over the worker axis, K under ``vmap`` per iteration), so only K
@@ -129,9 +132,13 @@ def compile_step(backend, loss_fn, tx, *, inject=False, group_size=None, grad_ch
 
     With ``scan`` the program runs a chunk of steps (`scanned`): its batches and metrics
     have the steps on the axis after this process's rows (`Backend.steps_of`); each worker
-    scans its own steps, so its collectives stay inside its program (MPI, mesh)."""
+    scans its own steps, so its collectives stay inside its program (MPI, mesh).
+
+    With ``churn`` the step takes each worker's presence row last (`churn_run.churned`)."""
     if not grad_chunk:
         step = make_step(loss_fn, tx, inject=inject)
+        if churn:
+            step = churn_run.churned(step, backend.collective)
         return backend.spmd(scanned(step) if scan else step, group_size=group_size)
     check_grad_chunk(grad_chunk, backend.name, backend.size)
     update = backend.spmd(make_step(loss_fn, tx, inject=inject, given=True), group_size=group_size)
@@ -211,6 +218,10 @@ class _Run:
         self.summary: dict[str, Any] | None = None
         self.finished = False
         self.injection = cfg.injection()
+        # Churn: each step's (weight, joining, source) per worker (`churn_run.step_rows`).
+        self.churn = None
+        if cfg.churn:
+            self.churn = churn_run.step_rows(churn_run.schedule_of(cfg), entry)
         self.scan = cfg.steps_per_program() > 1  # programs of several steps (`run_steps`)
         # With cfg.grad_chunk the gradients run a chunk of workers at a time
         # (`compile_step`). A worker of several devices: each device differentiates
@@ -223,6 +234,7 @@ class _Run:
             group_size=group_size,
             grad_chunk=cfg.grad_chunk,
             scan=self.scan,
+            churn=self.churn is not None,
         )
         self.step_fn = None  # compiled on the first step (a finished resume needs none)
 
@@ -267,7 +279,13 @@ class _Run:
             if step == self.injection[0]:
                 fault[self.injection[1]] = np.nan
             args.append(self.backend.local(fault, batch=False))
+        if self.churn is not None:
+            args.append(self.backend.local(self.churn[step - 1], batch=False))
         return args
+
+    def present(self, step: int) -> np.ndarray | None:
+        """Which workers are present at ``step`` under churn (None: all, no churn)."""
+        return None if self.churn is None else self.churn[step - 1, :, 0] > 0
 
     def chunk_end(self, step: int, stop: int, saving: bool) -> int:
         """The last step of the program that starts at ``step``: ``scan_steps`` steps, or
@@ -297,6 +315,8 @@ class _Run:
             self.params, self.opt_state, metrics = self.step_fn(self.params, self.opt_state, *batch)
             memory.ready(metrics)  # an XLA out-of-memory raises here, not hangs in gather
             gathered = backend.gather(backend.stacked(metrics))
+        except ChurnError as e:  # traced on the first call: an exchange churn cannot mask
+            raise ConfigError(f"{self.entry.label}: {e}") from None
         except jax.errors.JaxRuntimeError:
             # nonfinite="raise": every rank raises here, in the same program.
             raised = take_raised()
@@ -361,11 +381,12 @@ class _Run:
         )
         self.sent_total += sent
         self.received_total += received
+        here = self.present(step)  # under churn, the loss of the workers present
         rec = {
             "algorithm": self.entry.label,
             "seed": self.cfg.seed,
             "step": step,
-            "loss": float(np.mean(loss, dtype=np.float64)),
+            "loss": float(np.mean(loss if here is None else loss[here], dtype=np.float64)),
             "bytes_sent": per_worker(sent),
             "bytes_received": per_worker(received),
             "mb_sent": float(self.sent_total.mean() / MB),
@@ -455,6 +476,8 @@ def train(
     check_grad_chunk(cfg.grad_chunk, backend.name, backend.size)
     # An Entry comes resolved (the CLI and studies resolve every entry before training).
     entry = algorithm if isinstance(algorithm, Entry) else algorithms.resolve(algorithm, cfg)
+    if cfg.churn:
+        churn_run.check_run(cfg, backend, entry)
     if entry.algorithm.asynchronous is not None:  # rounds on the simulated clock
         return async_run.train(cfg, task, backend, entry, checkpoints=checkpoints,
                                resume=resume, on_record=on_record)  # fmt: skip
@@ -484,7 +507,12 @@ def train(
             model = (
                 evaluation_params(run.params, backend.spread(run.opt_state)) if evaluate else None
             )
-            avg = backend.mean_params(model) if evaluate else None
+            here = run.present(step)  # under churn the mean of the workers present
+            if evaluate and here is not None:
+                model = jax.tree.map(lambda a, h=here: np.asarray(a)[h], model)
+                avg = jax.tree.map(lambda a: a.sum(0) / np.float32(len(a)), model)
+            else:
+                avg = backend.mean_params(model) if evaluate else None
             decision = run.consult_policy(step)
             if backend.is_root:
                 rec = run.record(step, gathered, decision, avg)
