@@ -6,8 +6,9 @@ The run's collectives are replayed step by step (`projection.step_events`, for
 worker's compute time: one worker's step (``compute_ms``, or measured here when 0) times
 its factor from `shoal.costmodel.speeds`. Workers of a synchronous algorithm still train
 in lock-step: speeds change the clock, not the numbers. Under ``churn`` the absent
-workers compute nothing and wait for no one (`simulate`'s ``present``). With ``compute_ms`` given the
-clock is deterministic, bit for bit; measured, it varies with this machine's load.
+workers compute nothing and wait for no one (`simulate`'s ``present``); the collectives
+are timed for all ``workers``. With ``compute_ms`` given the clock is deterministic, bit
+for bit; measured, it varies with this machine's load.
 """
 
 from __future__ import annotations
