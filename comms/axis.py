@@ -395,7 +395,9 @@ def _reduce_present(x: jax.Array, op: str, among: presence.Presence, simulated: 
             info = jnp.iinfo(x.dtype) if x.dtype != jnp.bool_ else None
             fill = (info.min if op == "max" else info.max) if info else op == "min"
         fill = jnp.asarray(fill, x.dtype)
-    weights = among.weights if op == "mean" else mask.astype(jnp.float32)
+    # Scaled so that the largest weight is 1: equal weights are then exactly 1, and a mean
+    # over all workers with equal weights is the plain one, bit for bit.
+    weights = among.weights / jnp.max(among.weights) if op == "mean" else mask.astype(jnp.float32)
     if simulated:
         rows = lax.all_gather(x, among.axis_name)
         keep = mask.reshape(mask.shape + (1,) * x.ndim)

@@ -14,9 +14,8 @@ exact values. Collectives that would hand a worker its peers' own values (all-ga
 all-to-all, reduce-scatter, ppermute, broadcast) refuse: they do not know who is absent.
 `shoal.comms.MPICollective` refuses churn: its workers are processes, present or not.
 
-With all ``N`` workers present and equal weights the reductions are those without churn
-(up to the rounding of dividing by ``sum_i w_i`` instead of ``N``; bit for bit when every
-weight is 1).
+With all ``N`` workers present and equal weights the reductions are those without churn,
+bit for bit (the weights are scaled to a largest of 1 first).
 
 Example:
   >>> import jax, jax.numpy as jnp

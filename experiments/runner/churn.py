@@ -75,10 +75,10 @@ def schedule_of(cfg: Any) -> Schedule:
     return Schedule.parse(cfg.churn, steps=cfg.steps, workers=cfg.workers)
 
 
-def step_rows(schedule: Schedule, entry: Any) -> np.ndarray:
+def step_rows(schedule: Schedule, window: int) -> np.ndarray:
     """``[steps, workers, 3]`` float32: each step's ``(weight, joining, source)`` per
-    worker (row ``t`` for step ``t + 1``)."""
-    weights = schedule.weights(window(entry))
+    worker (row ``t`` for step ``t + 1``), token weights counted over ``window`` steps."""
+    weights = schedule.weights(window)
     joining = schedule.joining().astype(np.float32)
     source = np.broadcast_to(schedule.sources()[:, None], weights.shape).astype(np.float32)
     return np.stack([weights, joining, source], axis=-1)

@@ -221,7 +221,7 @@ class _Run:
         # Churn: each step's (weight, joining, source) per worker (`churn_run.step_rows`).
         self.churn = None
         if cfg.churn:
-            self.churn = churn_run.step_rows(churn_run.schedule_of(cfg), entry)
+            self.churn = churn_run.step_rows(churn_run.schedule_of(cfg), churn_run.window(entry))
         self.scan = cfg.steps_per_program() > 1  # programs of several steps (`run_steps`)
         # With cfg.grad_chunk the gradients run a chunk of workers at a time
         # (`compile_step`). A worker of several devices: each device differentiates
