@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["declared_fields", "error_feedback_mask"]
+__all__ = ["declared_fields", "error_feedback_mask", "rank_uniform_mask"]
 
 
 def declared_fields(state: Any, attribute: str, inside: Any, outside: Any) -> Any:
@@ -73,3 +73,36 @@ def error_feedback_mask(state: Any) -> Any:
       feedback); Strom, Interspeech 2015 (GTC's residuals).
     """
     return declared_fields(state, "ERROR_FEEDBACK", True, False)
+
+
+def rank_uniform_mask(state: Any) -> Any:
+    """Which leaves of ``state`` are rank-uniform: the same on every worker.
+
+    True at the leaves under a field their state class lists in ``RANK_UNIFORM``
+    (DiLoCo's global model, outer state and counters; BMUF's global model and block
+    momentum), False elsewhere: what simulated workers hold once
+    (`shoal.optim.helpers.uniform_axes`), and what a worker that was away under churn
+    takes as it is (`shoal.experiments.churn`).
+
+    Args:
+      state: an optimizer state (stacked over workers or not: only its structure is read).
+
+    Returns:
+      a pytree of bools.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from shoal.comms import AxisCollective
+      >>> from shoal.optim import diloco
+      >>> from shoal.optim.helpers import rank_uniform_mask
+      >>> coll = AxisCollective("workers", 2)
+      >>> tx = diloco(optax.sgd(0.1), collective=coll, sync_every=2, outer=optax.sgd(1.0))
+      >>> mask = rank_uniform_mask(tx.init(jnp.zeros(3)))
+      >>> mask.global_params, mask.step, mask.inner_state
+      (True, True, ())
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+      Models", arXiv:2311.08105, 2023 (the global model every worker shares).
+    """
+    return declared_fields(state, "RANK_UNIFORM", True, False)

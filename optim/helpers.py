@@ -11,7 +11,7 @@ Example:
   (1, 2, 3, 0)
 """
 
-from shoal.optim._declared import error_feedback_mask
+from shoal.optim._declared import error_feedback_mask, rank_uniform_mask
 from shoal.optim._noise_scale import noise_scale
 from shoal.optim._noloco import pairing
 from shoal.optim._nonfinite import take_raised
@@ -25,6 +25,7 @@ __all__ = [
     "SameModelCheck",
     "check_same_model",
     "error_feedback_mask",
+    "rank_uniform_mask",
     "hold_uniform",
     "noise_scale",
     "pairing",

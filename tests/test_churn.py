@@ -263,6 +263,11 @@ def test_a_churned_run_is_the_same_twice_clock_included(tmp_path):
              if 2 * 7 * k // 8 == full)  # fmt: skip
     assert ssgd[0]["bytes_sent"] == 7 / 8 * (2 * 6 * n // 7)
     assert ssgd[2]["bytes_sent"] == 6 / 8 * (2 * 5 * n // 6)
+    section = (a / "summary.md").read_text().split("## Simulated time")[1].split("## ")[0]
+    assert "Churn `leave:1@3-7,join:3@5`" in section and " absent |" in section
+    # Worker 1 away 5 of 12 steps, worker 3 4: the mean absent share is about 9/96.
+    row = next(line for line in section.splitlines() if line.startswith("| diloco |"))
+    assert 0.05 < float(row.split(" | ")[-1].rstrip(" |%")) / 100 < 0.15
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ def test_helpers_are_a_named_namespace_not_the_top_level():
     assert set(helpers.__all__) == {"noise_scale", "peer_permutation", "partial_exchange_bins",
                                     "take_raised", "same_model_check", "check_same_model",
                                     "SameModelCheck", "split_fragments", "hold_uniform",
-                                    "uniform_axes", "pairing", "error_feedback_mask"}  # fmt: skip
+                                    "uniform_axes", "pairing", "error_feedback_mask",
+                                    "rank_uniform_mask"}  # fmt: skip
     assert not set(helpers.__all__) & set(optim.__all__)
     assert helpers.peer_permutation("round_robin", 4, 1) == (2, 3, 0, 1)

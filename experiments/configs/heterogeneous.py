@@ -6,18 +6,24 @@ Run each condition with its ``speeds`` (about 7 minutes each on 2 CPU cores)::
     shoal-run heterogeneous --seeds 0,1,2 --set speeds=1 --out runs/heterogeneous/a_equal
     shoal-run heterogeneous --seeds 0,1,2 --set speeds=2@0-1 --out runs/heterogeneous/b_quarter_2x
     shoal-run heterogeneous --seeds 0,1,2 --set speeds=pareto:2 --out runs/heterogeneous/c_pareto
+    shoal-run heterogeneous --seeds 0,1,2 --set "churn=leave:2@31-70,leave:5@51-90" \
+        --set algorithms=ssgd_adamw,diloco,streaming_diloco --out runs/heterogeneous/d_churn
 
 (a) equal speeds; (b) a quarter of the 8 workers (0 and 1) twice as slow; (c) every
-worker's every step drawn from 1 + Lomax(2): mean 2, heavy-tailed stragglers. One step
-takes 100 ms times its factor (``compute_ms``: the clock is the same on every machine);
-the workers sit one per site on 1 Gbps links with 10 ms latency (``wan-1gbps``).
-Churn (workers leaving and coming back) is not simulated yet.
+worker's every step drawn from 1 + Lomax(2): mean 2, heavy-tailed stragglers; (d) equal
+speeds, and 2 of the 8 workers away for 40 steps each (worker 2 from step 31 to 70,
+worker 5 from 51 to 90: they leave and come back mid-round; `shoal.experiments.churn`),
+the synchronous entries only (churn is not simulated for the asynchronous server). One
+step takes 100 ms times its factor (``compute_ms``: the clock is the same on every
+machine); the workers sit one per site on 1 Gbps links with 10 ms latency
+(``wan-1gbps``).
 
 Entries, every round H = 20 inner AdamW steps (the recipe of `diloco_plus_lm`, whose
 rate was tuned there for DiLoCo; not tuned again here), 160 steps' worth of tokens:
 
 - ``ssgd_adamw``: the reference, the gradients all-reduced every step;
 - ``diloco``: synchronous rounds, every worker waits for the slowest;
+- ``streaming_diloco``: 4 fragments synchronised in turn, one every 5 steps;
 - ``async_diloco``: Liu et al.'s method, Delayed Nesterov (every 8 arrivals) and DyLU;
 - ``async_diloco[dynamic_steps=false]``: Delayed Nesterov only;
 - ``async_diloco[nesterov_period=1;dynamic_steps=false]``: naive async (Nesterov at
@@ -42,6 +48,7 @@ def get_config() -> Config:
         algorithms=(
             "ssgd_adamw",
             "diloco",
+            "streaming_diloco",
             "async_diloco",
             "async_diloco[dynamic_steps=false]",
             "async_diloco[nesterov_period=1;dynamic_steps=false]",
@@ -58,6 +65,7 @@ def get_config() -> Config:
         params={
             "ssgd_adamw": {"adamw": ADAMW},
             "diloco": INNER,
+            "streaming_diloco": INNER,
             "async_diloco": {**INNER, "nesterov_period": 8},
             "quorum_diloco": {**INNER, "quorum": 6, "grace_ms": 500.0},
         },

@@ -285,10 +285,11 @@ def clock_section(cfg: Any, summaries: Sequence[dict[str, Any]]) -> str:
 
     c = cluster_of(cfg)
     target = f"test loss <= {cfg.target_loss:g}" if cfg.target_loss else "no target_loss set"
+    churn = bool(getattr(cfg, "churn", ""))
     lines = [
         f"| algorithm | simulated s | s to target ({target}) | compute | communication "
-        "| waiting | waiting, per worker (min-max) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| waiting | waiting, per worker (min-max) |" + (" absent |" if churn else ""),
+        "|---|---:|---:|---:|---:|---:|---|" + ("---:|" if churn else ""),
     ]
     for s in rows:
         idle = s["clock"]["shares"]["idle"]
@@ -299,6 +300,9 @@ def clock_section(cfg: Any, summaries: Sequence[dict[str, Any]]) -> str:
         cells = (s["algorithm"], cell(s["sim_time_s"], "{:.4g}"), to_target,
                  cell(s["busy_share"], "{:.1%}"), cell(s["comm_share"], "{:.1%}"),
                  cell(s["idle_share"], "{:.1%}"), f"{min(idle):.1%}-{max(idle):.1%}")  # fmt: skip
+        if churn:  # an asynchronous entry runs without churn: no absent share
+            away = s.get("absent_share")
+            cells += (cell(away, "{:.1%}") if away is not None else "-",)
         lines.append("| " + " | ".join(cells) + " |")
     step = "given (compute_ms)" if cfg.compute_ms else "measured on this machine"
     return f"""
@@ -309,10 +313,19 @@ one worker's step, {step}), on the links of {c.name} ({c.workers_per_node} per n
 {c.inter_bandwidth * 8 / 1e9:g} Gbps between nodes): a collective starts when its last
 member arrives (`shoal.costmodel.clock`); an asynchronous entry's workers push and pull
 over the link between nodes (`shoal.experiments.asynchronous`). Shares are of the run's
-simulated time, mean over workers; timeline.png shows the first rounds.
+simulated time, mean over workers; timeline.png shows the first rounds.{_churned(cfg)}
 
 {chr(10).join(lines)}
 """
+
+
+def _churned(cfg: Any) -> str:
+    if not getattr(cfg, "churn", ""):
+        return ""
+    return (
+        f"\nChurn `{cfg.churn}` (`shoal.experiments.churn`): an absent worker computes and "
+        "sends nothing and waits for no one; its time away is the absent share."
+    )
 
 
 def volume_reduction(warmup_fraction: float, bits: int) -> float:

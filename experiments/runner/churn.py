@@ -30,8 +30,7 @@ from shoal.comms.presence import present
 from shoal.comms.wire import WireMeter
 from shoal.experiments.churn import Schedule
 from shoal.experiments.fields import ConfigError
-from shoal.optim._declared import declared_fields
-from shoal.optim.helpers import error_feedback_mask
+from shoal.optim.helpers import error_feedback_mask, rank_uniform_mask
 from shoal.optim.readouts import evaluation_params
 
 __all__ = ["check_run", "churned", "schedule_of", "step_rows", "window"]
@@ -86,7 +85,7 @@ def step_rows(schedule: Schedule, window: int) -> np.ndarray:
 
 def _kept_own(state: Any) -> Any:
     """True at the leaves a joiner keeps: rank-uniform (held once), error feedback, meters."""
-    uniform = declared_fields(state, "RANK_UNIFORM", True, False)
+    uniform = rank_uniform_mask(state)
     ef = error_feedback_mask(state)
     meters = jax.tree.map(
         lambda node: jax.tree.map(lambda _: True, node) if isinstance(node, WireMeter) else False,
@@ -126,7 +125,7 @@ def churned(step: Any, collective: Any) -> Any:
         with present(collective, weights):
             new_params, new_state, metrics = step(params, opt_state, x, y, *fault)
         here = weight > 0
-        uniform = declared_fields(new_state, "RANK_UNIFORM", True, False)
+        uniform = rank_uniform_mask(new_state)
         new_params = jax.tree.map(lambda n, o: jnp.where(here, n, o), new_params, params)
         new_state = jax.tree.map(
             lambda n, o, u: n if u else jnp.where(here, n, o), new_state, opt_state, uniform
