@@ -17,6 +17,12 @@ the simulated clock (ties: by worker), so a run is deterministic, bit for bit:
   ``max(1, floor(v_i / v_max * H))`` steps per round, ``v`` its speed (steps per second,
   from its mean step time over the run), so slow workers deliver as often as fast ones.
 
+* ``present`` (churn, `shoal.experiments.churn`): worker ``i`` trains its ``k``-th inner
+  step only where ``present[k, i]``. Away at the start of a round, it is gone for those
+  steps' seconds, then pulls the global model and starts a round; leaving inside a round,
+  it loses the round (its steps so far are computed and never pushed; its inner state
+  stays as before the round). It keeps its own inner state while away.
+
 Bytes are exact: a push sends the model's bytes, a pull receives them (float32
 pseudo-gradient and model). A push or pull takes ``latency + bytes / bandwidth`` on the
 link given.
@@ -177,8 +183,9 @@ class Simulation:
     order applied, each outer step's time (``updates``), each worker's ``busy``
     (computing), ``comm`` (pushing and pulling) and ``idle`` (waiting for a quorum)
     seconds, the bytes of one push or pull (``push_bytes``), each worker's exact
-    ``bytes_sent`` and ``bytes_received``, and the ``evaluations``: ``(the multiple of
-    evaluate_every crossed, time, evaluate's value)``, and the last at the run's end."""
+    ``bytes_sent`` and ``bytes_received``, the ``evaluations``: ``(the multiple of
+    evaluate_every crossed, time, evaluate's value)``, and the last at the run's end, and
+    the seconds each worker was ``away`` (churn)."""
 
     params: Any
     arrivals: list[Arrival]
@@ -190,6 +197,7 @@ class Simulation:
     bytes_sent: np.ndarray
     bytes_received: np.ndarray
     evaluations: list[tuple[int, float, Any]]
+    away: np.ndarray | None = None  # seconds each worker was away (``present``)
 
 
 class _Worker(NamedTuple):
@@ -218,6 +226,7 @@ def simulate(
     dynamic: bool = False,
     evaluate: Callable[[Any], Any] | None = None,
     evaluate_every: int = 0,
+    present: np.ndarray | None = None,
 ) -> Simulation:
     """Async DiLoCo (``quorum=None``) or its quorum variant, on a simulated clock.
 
@@ -250,6 +259,9 @@ def simulate(
       evaluate: called with the global model after outer steps that cross a multiple of
         ``evaluate_every`` inner steps (``workers`` per synchronous step), and at the end.
       evaluate_every: inner steps between evaluations (0: only at the end).
+      present: None (every worker at every step) or ``[steps, workers]`` bools: whether
+        worker ``i`` trains its ``k``-th inner step (row ``k``; rows past the end repeat
+        the last), the module's churn rule.
 
     Returns:
       a `Simulation`.
@@ -277,6 +289,9 @@ def simulate(
     seconds = np.asarray(step_seconds, np.float64)
     if seconds.ndim != 2 or seconds.shape[1] != n or not np.all(seconds > 0):
         raise ValueError(f"step_seconds must be [steps, {n}] positive seconds, got {seconds.shape}")
+    here = None if present is None else np.asarray(present, bool)
+    if here is not None and (here.ndim != 2 or here.shape[1] != n or not len(here)):
+        raise ValueError(f"present must be [steps, {n}] bools, got {np.shape(present)}")
     rounds = dynamic_steps(seconds.mean(0), h) if dynamic else (h,) * n
     nbytes = sum(4 * int(np.size(x)) for x in jax.tree.leaves(params))
     latency, bandwidth = link
@@ -293,14 +308,29 @@ def simulate(
     evaluations: list[tuple[int, float, Any]] = []
     assigned, applied_steps = 0, 0
     running: dict[int, _Worker] = {}
-    # (time, kind, worker): kind 0 a worker's push arrives, 1 a quorum's grace ends.
+    # (time, kind, worker): kind 0 a worker's push arrives, 1 a quorum's grace ends, 2 a
+    # worker comes back (churn), 3 a worker leaves inside its round.
     events: list[tuple[float, int, int]] = []
     pending: list[tuple[Arrival, Any]] = []
     deadline = math.inf
     next_eval = evaluate_every or math.inf
+    away = np.zeros(n)
+    resume: dict[int, int] = {}  # a worker away or leaving: the step it goes on from
+
+    def on(k: int, i: int) -> bool:
+        return here is None or bool(here[min(k, len(here) - 1), i])
 
     def start(i: int, now: float, first: int) -> None:
         nonlocal assigned
+        if not on(first, i):  # away: gone for these steps' seconds (kind 2: back)
+            back = first
+            while back < len(seconds) and not on(back, i):
+                back += 1
+            if back < len(seconds) and assigned < budget:
+                away[i] += float(seconds[first:back, i].sum())
+                resume[i] = back
+                heapq.heappush(events, (now + float(seconds[first:back, i].sum()), 2, i))
+            return
         steps = min(rounds[i], budget - assigned)
         if steps <= 0:
             return
@@ -308,6 +338,13 @@ def simulate(
             raise ValueError(
                 f"step_seconds has {len(seconds)} rows; worker {i} needs {first + steps}"
             )
+        kept = next((k for k in range(steps) if not on(first + k, i)), steps)
+        if kept < steps:  # it leaves inside this round: the steps so far are lost (kind 3)
+            assigned += kept
+            busy[i] += float(seconds[first : first + kept, i].sum())
+            resume[i] = first + kept
+            heapq.heappush(events, (now + float(seconds[first : first + kept, i].sum()), 3, i))
+            return
         assigned += steps
         compute = float(seconds[first : first + steps, i].sum())
         busy[i] += compute
@@ -363,6 +400,14 @@ def simulate(
             if pending and now >= deadline:
                 fire(now)
             continue
+        if kind == 2:  # back from away: pull the global model, start a round
+            received[i] += nbytes
+            comm[i] += transfer
+            start(i, now + transfer, resume.pop(i))
+            continue
+        if kind == 3:  # left inside a round: away from its next step
+            start(i, now, resume.pop(i))
+            continue
         w = running[i]
         xs, ys = _stack([batch(w.first + k, i) for k in range(w.steps)])
         local, inner_states[i], losses = round_fn(w.start, inner_states[i], xs, ys)
@@ -386,7 +431,7 @@ def simulate(
     if evaluate is not None and (not evaluations or evaluations[-1][0] != applied_steps):
         evaluations.append((applied_steps, updates[-1] if updates else 0.0, evaluate(theta)))
     return Simulation(theta, arrivals, updates, busy, comm, idle, nbytes, sent, received,
-                      evaluations)  # fmt: skip
+                      evaluations, away)  # fmt: skip
 
 
 def _stack(pairs: list[tuple[Any, Any]]) -> tuple[Any, Any]:

@@ -30,6 +30,11 @@ of DiLoCo that is the share of the round it trained since it last started from t
 model: a worker that joined mid-round weighs less, one that left weighs 0. Equal rounds
 give equal weights, the plain mean.
 
+The asynchronous entries (`shoal.experiments.asynchronous.simulate`'s ``present``) read
+row ``k`` as each worker's own ``k``-th inner step: a worker away at a round's start comes
+back after the seconds of the steps it missed and pulls the global model; one that leaves
+inside a round loses the round.
+
 Example:
   >>> from shoal.experiments.churn import Schedule
   >>> s = Schedule.parse("leave:1@2-3,join:2@3", steps=4, workers=3)

@@ -103,26 +103,52 @@ def batch(k, i):
     return A[k, i], B[k, i]
 
 
-def async_oracle(speeds, h, total, lr, eta, beta, period, transfer):
-    """Event by event in float64: the earliest push first (ties: the lower worker)."""
+def async_oracle(speeds, h, total, lr, eta, beta, period, transfer, present=None):
+    """Event by event in float64: the earliest event first (ties: a push before a return
+    before a departure, then the lower worker). With ``present`` (churn), a worker away
+    at a round's start comes back after those steps' seconds and pulls; one that leaves
+    inside a round loses it."""
     theta = np.zeros(DIM)
     m, buf, count = np.zeros(DIM), np.zeros(DIM), 0
     nxt = [0] * WORKERS
     assigned, order = 0, []
-    plan = {}  # worker -> (start model, first, steps, arrival time)
+    plan = {}  # worker -> (kind, ..., time): "push" (start model, first, steps), "back", "left"
+    away = np.zeros(WORKERS)
+    on = lambda k, i: present is None or present[min(k, len(present) - 1), i]  # noqa: E731
 
     def start(i, now):
         nonlocal assigned
+        k = nxt[i]
+        if not on(k, i):
+            back = k
+            while back < 64 and not on(back, i):
+                back += 1
+            if back < 64 and assigned < total:
+                away[i] += (back - k) * speeds[i]
+                plan[i] = ("back", back, now + (back - k) * speeds[i])
+            return
         steps = min(h, total - assigned)
-        if steps > 0:
-            assigned += steps
-            plan[i] = (theta.copy(), nxt[i], steps, now + steps * speeds[i] + transfer)
+        if steps <= 0:
+            return
+        kept = next((j for j in range(steps) if not on(k + j, i)), steps)
+        if kept < steps:
+            assigned += kept
+            plan[i] = ("left", k + kept, now + kept * speeds[i])
+            return
+        assigned += steps
+        plan[i] = ("push", theta.copy(), k, steps, now + steps * speeds[i] + transfer)
 
+    kinds = {"push": 0, "back": 2, "left": 3}
     for i in range(WORKERS):
         start(i, 0.0)
     while plan:
-        i = min(plan, key=lambda w: (plan[w][3], w))
-        theta0, first, steps, when = plan.pop(i)
+        i = min(plan, key=lambda w: (plan[w][-1], kinds[plan[w][0]], w))
+        kind, *rest, when = plan.pop(i)
+        if kind != "push":
+            nxt[i] = rest[0]
+            start(i, when + transfer if kind == "back" else when)
+            continue
+        theta0, first, steps = rest
         p = theta0.copy()
         for k in range(first, first + steps):
             p = p - lr * grad(p, *batch(k, i))
@@ -138,7 +164,28 @@ def async_oracle(speeds, h, total, lr, eta, beta, period, transfer):
         order.append((i, when))
         nxt[i] = first + steps
         start(i, when + transfer)
-    return theta, order
+    return (theta, order, away) if present is not None else (theta, order)
+
+
+def test_churn_a_worker_away_pulls_when_back_and_a_departure_loses_the_round():
+    speeds, h, total = [1.0, 2.0, 3.5], 4, 36
+    present = np.ones((64, WORKERS), bool)
+    present[5:10, 1] = False  # worker 1 away for its steps 5-9: leaves inside round 2
+    present[0:3, 2] = False  # worker 2 arrives late, at its step 3
+    present[9:, 0] = False  # worker 0 leaves for good at its step 9 (inside round 3)
+    want, order, away = async_oracle(speeds, h, total, 0.1, 0.7, 0.9, 3, 0.75, present)
+    with jax.enable_x64():
+        sim = simulate(loss, jnp.zeros(DIM), batch, workers=WORKERS, inner=optax.sgd(0.1),
+                       outer=delayed_nesterov(0.7, 0.9, 3), sync_every=h, total_steps=total,
+                       step_seconds=np.tile(speeds, (64, 1)), link=(0.25, 4 * DIM / 0.5),
+                       present=present)  # fmt: skip
+    assert [(a.worker, a.arrived) for a in sim.arrivals] == order
+    np.testing.assert_allclose(sim.params, want, rtol=1e-12)
+    np.testing.assert_allclose(sim.away, away)
+    assert sum(a.worker == 0 for a in sim.arrivals) == 2  # rounds 0-3 and 4-7, then gone
+    assert min(a.first for a in sim.arrivals if a.worker == 2) == 3
+    pulls = np.bincount([a.worker for a in sim.arrivals], minlength=WORKERS) + (away > 0)
+    np.testing.assert_array_equal(sim.bytes_received, pulls * 4 * DIM)
 
 
 @pytest.mark.parametrize("period", [1, 3])

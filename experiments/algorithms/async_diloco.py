@@ -44,6 +44,8 @@ def plan(p: AsyncDiLoCo, run) -> Plan:
     return Plan(outer, p.sync_every, dynamic=p.dynamic_steps)
 
 
-@register("async_diloco", AsyncDiLoCo, skip_in_place=None, family="local", asynchronous=plan)
+@register(
+    "async_diloco", AsyncDiLoCo, skip_in_place=None, family="local", asynchronous=plan, churn=True
+)
 def build(p: AsyncDiLoCo, ctx: Context) -> optax.GradientTransformation:
     return p.inner.make(ctx.run.steps)  # each worker's: the server's step is `plan`'s

@@ -50,6 +50,8 @@ def plan(p: QuorumDiLoCo, run) -> Plan:
     return Plan(p.outer.make(p.rounds(run)), p.sync_every, quorum=q, grace=grace)
 
 
-@register("quorum_diloco", QuorumDiLoCo, skip_in_place=None, family="local", asynchronous=plan)
+@register(
+    "quorum_diloco", QuorumDiLoCo, skip_in_place=None, family="local", asynchronous=plan, churn=True
+)
 def build(p: QuorumDiLoCo, ctx: Context) -> optax.GradientTransformation:
     return p.inner.make(ctx.run.steps)  # each worker's: the server's step is `plan`'s

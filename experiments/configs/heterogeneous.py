@@ -7,13 +7,13 @@ Run each condition with its ``speeds`` (about 7 minutes each on 2 CPU cores)::
     shoal-run heterogeneous --seeds 0,1,2 --set speeds=2@0-1 --out runs/heterogeneous/b_quarter_2x
     shoal-run heterogeneous --seeds 0,1,2 --set speeds=pareto:2 --out runs/heterogeneous/c_pareto
     shoal-run heterogeneous --seeds 0,1,2 --set "churn=leave:2@31-70,leave:5@51-90" \
-        --set algorithms=ssgd_adamw,diloco,streaming_diloco --out runs/heterogeneous/d_churn
+        --out runs/heterogeneous/d_churn
 
 (a) equal speeds; (b) a quarter of the 8 workers (0 and 1) twice as slow; (c) every
 worker's every step drawn from 1 + Lomax(2): mean 2, heavy-tailed stragglers; (d) equal
 speeds, and 2 of the 8 workers away for 40 steps each (worker 2 from step 31 to 70,
-worker 5 from 51 to 90: they leave and come back mid-round; `shoal.experiments.churn`),
-the synchronous entries only (churn is not simulated for the asynchronous server). One
+worker 5 from 51 to 90: they leave and come back mid-round; `shoal.experiments.churn`;
+an asynchronous worker misses its own inner steps 31 to 70, or 51 to 90). One
 step takes 100 ms times its factor (``compute_ms``: the clock is the same on every
 machine); the workers sit one per site on 1 Gbps links with 10 ms latency
 (``wan-1gbps``).

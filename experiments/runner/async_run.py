@@ -12,6 +12,12 @@ applied, with the clock then, the mean loss of the rounds applied since the prev
 record, the bytes pushed and pulled since, and, every ``eval_every`` steps, the test
 metrics of the global model. So its curves lie beside a synchronous run's at equal
 tokens.
+
+Under ``churn`` worker ``i`` trains its ``k``-th inner step where the schedule's row ``k``
+has it present (`shoal.experiments.asynchronous.simulate`'s ``present``), and the run
+trains as many inner steps as the synchronous entries do under the schedule; rounds lost
+to a departure are never applied, so the records may end before ``steps``, the last one
+with the model at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 from shoal.costmodel.speeds import speed_factors
 from shoal.experiments import asynchronous
 from shoal.experiments.algorithms import Context, Entry
+from shoal.experiments.churn import Schedule
 from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.runner import clock
 from shoal.experiments.runner.summary import base_summary, per_worker, time_to_target
@@ -78,9 +85,12 @@ def train(cfg: Config, task: Any, backend: Any, entry: Entry, *, checkpoints: An
     def evaluate(theta):
         return metrics_of(task.evaluate(theta), cfg.task)
 
+    # Churn: each worker's k-th inner step is trained where the schedule's row k says,
+    # and the run trains the tokens the synchronous entries train under it.
+    present = Schedule.parse(cfg.churn, steps=cfg.steps, workers=n).present
     sim = asynchronous.simulate(
-        task.loss, params, batch, workers=n, inner=inner,
-        outer=plan.outer, sync_every=plan.sync_every, total_steps=cfg.steps * n,
+        task.loss, params, batch, workers=n, inner=inner, present=present if cfg.churn else None,
+        outer=plan.outer, sync_every=plan.sync_every, total_steps=int(present.sum()),
         step_seconds=step_s * factors, link=(cluster.inter_latency, cluster.inter_bandwidth),
         quorum=plan.quorum, grace=plan.grace, dynamic=plan.dynamic, evaluate=evaluate,
         evaluate_every=cfg.eval_every * n,
@@ -132,13 +142,18 @@ def _records(cfg: Config, entry: Entry, sim: Any, started: float) -> list[dict[s
             window = np.zeros(n, np.int64)
         if emitted:
             losses = []
+    if out and sim.evaluations and sim.evaluations[-1][0] != len(out) * n:
+        # Under churn the last tokens need not fill a record: the model at the end is
+        # the last record's.
+        out[-1].update({f"test_{k}": v for k, v in sim.evaluations[-1][2].items()})
     return out
 
 
 def _summary(cfg, entry, sim, records, step_s, started) -> dict[str, Any]:
     total = float(sim.updates[-1]) if sim.updates else 0.0
     busy, comm = sim.busy / total, sim.comm / total
-    idle = np.maximum(1.0 - busy - comm, 0.0)  # at the server, and after its last round
+    away = sim.away / total if sim.away is not None else 0.0
+    idle = np.maximum(1.0 - busy - comm - away, 0.0)  # at the server, and after its last round
     return {
         **base_summary(entry.label, cfg, records, time.perf_counter() - started),
         "sim_time_s": total,
@@ -146,6 +161,7 @@ def _summary(cfg, entry, sim, records, step_s, started) -> dict[str, Any]:
         "busy_share": float(busy.mean()),
         "comm_share": float(comm.mean()),
         "idle_share": float(idle.mean()),
+        **({"absent_share": float((sim.away / total).mean())} if cfg.churn else {}),
         "outer_steps": len(sim.updates),
         "staleness": float(np.mean([a.applied - 1 - a.version for a in sim.arrivals])),
         "clock": {

@@ -36,12 +36,13 @@ from shoal.optim.readouts import evaluation_params
 __all__ = ["check_run", "churned", "schedule_of", "step_rows", "window"]
 
 
-def check_run(cfg: Any, backend: Any, entry: Any) -> None:
-    """`ConfigError` unless ``entry`` can run with ``cfg.churn`` on ``backend``."""
-    if backend.name != "sim":
+def check_run(cfg: Any, backend: str, entry: Any) -> None:
+    """`ConfigError` unless ``entry`` can run with ``cfg.churn`` on the backend named
+    ``backend`` (``"sim"``, ``"mpi"``, ``"jax"``)."""
+    if backend != "sim":
         raise ConfigError(
             f"churn = {cfg.churn!r} needs simulated workers (--backend sim), not --backend "
-            f"{backend.name}: MPI ranks and devices are running or gone; drop churn"
+            f"{backend}: MPI ranks and devices are running or gone; drop churn"
         )
     if entry.group_size is not None:
         raise ConfigError(

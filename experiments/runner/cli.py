@@ -35,6 +35,7 @@ from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.overrides import apply_overrides, parse_assignment
 from shoal.experiments.reports import MetricsLog, summary_table, write_run
 from shoal.experiments.reports.files import write_jsonl
+from shoal.experiments.runner import churn as churn_run
 from shoal.experiments.runner import memory, sweep
 from shoal.experiments.runner.analysis import Analysis, run_analysis
 from shoal.experiments.runner.arguments import (
@@ -103,6 +104,9 @@ def _setup(args, backend, loaded):
             sweep.swept_path(e, args.sweep[0])
         sweep.tuning_config(cfg, args.sweep_fraction, entries)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
+    if cfg.churn:  # an entry that cannot churn: refused before any entry trains
+        for e in entries:
+            churn_run.check_run(cfg, args.backend, e)
     if k > 1:
         check_devices_per_worker(cfg, k)
     return cfg, entries

@@ -477,7 +477,7 @@ def train(
     # An Entry comes resolved (the CLI and studies resolve every entry before training).
     entry = algorithm if isinstance(algorithm, Entry) else algorithms.resolve(algorithm, cfg)
     if cfg.churn:
-        churn_run.check_run(cfg, backend, entry)
+        churn_run.check_run(cfg, backend.name, entry)
     if entry.algorithm.asynchronous is not None:  # rounds on the simulated clock
         return async_run.train(cfg, task, backend, entry, checkpoints=checkpoints,
                                resume=resume, on_record=on_record)  # fmt: skip
