@@ -185,7 +185,8 @@ class Simulation:
     seconds, the bytes of one push or pull (``push_bytes``), each worker's exact
     ``bytes_sent`` and ``bytes_received``, the ``evaluations``: ``(the multiple of
     evaluate_every crossed, time, evaluate's value)``, and the last at the run's end, and
-    the seconds each worker was ``away`` (churn)."""
+    under churn the seconds each worker was ``away`` and its ``gaps``: ``(worker, start,
+    seconds, kind)`` of each absence (``"absent"``) and lost round (``"compute"``)."""
 
     params: Any
     arrivals: list[Arrival]
@@ -198,6 +199,8 @@ class Simulation:
     bytes_received: np.ndarray
     evaluations: list[tuple[int, float, Any]]
     away: np.ndarray | None = None  # seconds each worker was away (``present``)
+    # (worker, start, seconds, kind) of each absence ("absent") and lost round ("compute")
+    gaps: list[tuple[int, float, float, str]] = dataclasses.field(default_factory=list)
 
 
 class _Worker(NamedTuple):
@@ -315,6 +318,7 @@ def simulate(
     deadline = math.inf
     next_eval = evaluate_every or math.inf
     away = np.zeros(n)
+    gaps: list[tuple[int, float, float, str]] = []
     resume: dict[int, int] = {}  # a worker away or leaving: the step it goes on from
 
     def on(k: int, i: int) -> bool:
@@ -327,9 +331,11 @@ def simulate(
             while back < len(seconds) and not on(back, i):
                 back += 1
             if back < len(seconds) and assigned < budget:
-                away[i] += float(seconds[first:back, i].sum())
+                gap = float(seconds[first:back, i].sum())
+                away[i] += gap
+                gaps.append((i, now, gap, "absent"))
                 resume[i] = back
-                heapq.heappush(events, (now + float(seconds[first:back, i].sum()), 2, i))
+                heapq.heappush(events, (now + gap, 2, i))
             return
         steps = min(rounds[i], budget - assigned)
         if steps <= 0:
@@ -341,9 +347,11 @@ def simulate(
         kept = next((k for k in range(steps) if not on(first + k, i)), steps)
         if kept < steps:  # it leaves inside this round: the steps so far are lost (kind 3)
             assigned += kept
-            busy[i] += float(seconds[first : first + kept, i].sum())
+            lost = float(seconds[first : first + kept, i].sum())
+            busy[i] += lost
+            gaps.append((i, now, lost, "compute"))
             resume[i] = first + kept
-            heapq.heappush(events, (now + float(seconds[first : first + kept, i].sum()), 3, i))
+            heapq.heappush(events, (now + lost, 3, i))
             return
         assigned += steps
         compute = float(seconds[first : first + steps, i].sum())
@@ -431,7 +439,7 @@ def simulate(
     if evaluate is not None and (not evaluations or evaluations[-1][0] != applied_steps):
         evaluations.append((applied_steps, updates[-1] if updates else 0.0, evaluate(theta)))
     return Simulation(theta, arrivals, updates, busy, comm, idle, nbytes, sent, received,
-                      evaluations, away)  # fmt: skip
+                      evaluations, away, gaps)  # fmt: skip
 
 
 def _stack(pairs: list[tuple[Any, Any]]) -> tuple[Any, Any]:

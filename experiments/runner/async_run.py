@@ -174,7 +174,8 @@ def _summary(cfg, entry, sim, records, step_s, started) -> dict[str, Any]:
 
 def _segments(sim: Any) -> list[list[Any]]:
     """The timeline of each worker's first `SEGMENT_ROUNDS` rounds: compute, push, wait
-    for the outer step that applies it, pull."""
+    for the outer step that applies it, pull; under churn its absences and lost rounds
+    within that span."""
     out, seen = [], {}
     for a in sorted(sim.arrivals, key=lambda a: (a.worker, a.started)):
         k = seen.get(a.worker, 0)
@@ -189,4 +190,7 @@ def _segments(sim: Any) -> list[list[Any]]:
             [a.worker, a.arrived, applied - a.arrived, "idle"],
             [a.worker, applied, transfer, "comm"],
         ]
+    # Under churn: absences and lost rounds, up to where the plotted rounds end.
+    end = max((start + d for _, start, d, _ in out), default=0.0)
+    out += [[w, start, d, kind] for w, start, d, kind in sim.gaps if start < end]
     return out
