@@ -91,15 +91,16 @@ def rank_uniform_mask(state: Any) -> Any:
       a pytree of bools.
 
     Example:
-      >>> import jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax
       >>> from shoal.comms import AxisCollective
       >>> from shoal.optim import diloco
       >>> from shoal.optim.helpers import rank_uniform_mask
       >>> coll = AxisCollective("workers", 2)
-      >>> tx = diloco(optax.sgd(0.1), collective=coll, sync_every=2, outer=optax.sgd(1.0))
+      >>> inner = optax.sgd(0.1, momentum=0.9)  # its momentum is this worker's own
+      >>> tx = diloco(inner, collective=coll, sync_every=2, outer=optax.sgd(1.0))
       >>> mask = rank_uniform_mask(tx.init(jnp.zeros(3)))
-      >>> mask.global_params, mask.step, mask.inner_state
-      (True, True, ())
+      >>> mask.global_params, mask.step, jax.tree.leaves(mask.inner_state)
+      (True, True, [False])
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language

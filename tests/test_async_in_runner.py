@@ -95,5 +95,5 @@ def test_the_heterogeneous_study_config_resolves():
 
     cfg = load_argument("heterogeneous")
     entries = algorithms.resolve_all(cfg)
-    assert [e.algorithm.asynchronous is not None for e in entries] == [False, False] + [True] * 4
+    assert [e.algorithm.asynchronous is not None for e in entries] == [False] * 3 + [True] * 4
     assert cfg.speeds and cfg.compute_ms and cfg.nonfinite == "off"

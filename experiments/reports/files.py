@@ -189,7 +189,9 @@ def write_run(
     extra = policy_section(records) + projection_section(cfg, summaries) + onebit
     if any(s.get("sim_time_s") is not None for s in summaries):  # a simulated clock
         paths += [out / n for n in CLOCK_PLOTS]
-        plot_loss(paths[-2], records, "sim_time_s", "simulated seconds", log_x=False)
+        # Without speeds only the asynchronous entries keep a clock: plot those.
+        timed = [r for r in records if "sim_time_s" in r]
+        plot_loss(paths[-2], timed, "sim_time_s", "simulated seconds", log_x=False)
         plot_timeline(paths[-1], summaries)
         extra += clock_section(cfg, summaries)
     if onebit:  # the section shows this plot
