@@ -23,6 +23,9 @@ A worker that joins at step ``S`` takes, before its step ``S``:
   exchange, so the workers' total error feedback is never dropped or copied. Its byte
   meters stay its own too.
 
+The copy is counted: the joiner receives, and its source sends, the model's and the
+copied state's bytes.
+
 Averages are weighted by tokens (``weights``): a worker's weight at step ``t`` is the
 number of consecutive steps it has been present up to ``t``, at most ``window``, the
 algorithm's steps per round (``sync_every``; 1 for per-step exchanges). At an outer step

@@ -120,6 +120,8 @@ def test_a_joiner_takes_the_global_model_and_state_but_keeps_its_error_feedback(
     for a, b in zip(jax.tree.leaves(new.wire), jax.tree.leaves(state.wire)):
         np.testing.assert_array_equal(a, b)  # and its own byte meters
     np.testing.assert_array_equal(new.global_params, state.global_params)
+    # What the joiner receives: one worker's model (2 float32) and the moments it copies.
+    assert churn_run.join_bytes(params[0], state, 3) == 8 + 8
 
 
 # DiLoCo under churn against NumPy.
@@ -264,6 +266,10 @@ def test_a_churned_run_is_the_same_twice_clock_included(tmp_path):
              if 2 * 7 * k // 8 == full)  # fmt: skip
     assert ssgd[0]["bytes_sent"] == 7 / 8 * (2 * 6 * n // 7)
     assert ssgd[2]["bytes_sent"] == 6 / 8 * (2 * 5 * n // 6)
+    # Step 5: worker 3 joins and receives the model and AdamW's two moments (and counters)
+    # from worker 0; 7 workers present.
+    joined = 8 * ssgd[4]["bytes_received"] - 7 * (2 * 6 * n // 7)
+    assert 3 * n <= joined <= 3 * n + 64 and ssgd[4]["bytes_sent"] == ssgd[4]["bytes_received"]
     section = (a / "summary.md").read_text().split("## Simulated time")[1].split("## ")[0]
     assert "Churn `leave:1@3-7,join:3@5`" in section and " absent |" in section
     # Worker 1 away 5 of 12 steps, worker 3 4: the mean absent share is about 9/96.

@@ -6,7 +6,8 @@ compiled step:
 
 1. a worker that joins takes the global model of worker ``source`` (present at the step
    before) and its optimizer state, but keeps its own error feedback and byte meters
-   (the rule of `shoal.experiments.churn`);
+   (the rule of `shoal.experiments.churn`); the runner counts that copy's bytes
+   (`join_bytes`), received by the joiner and sent by the source;
 2. the step runs with `shoal.comms.presence.present`: the reductions leave the absent
    workers out and weigh the present ones by tokens, and the byte counts are those of
    the present workers;
@@ -27,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from shoal.comms.presence import present
-from shoal.comms.wire import WireMeter
+from shoal.comms.wire import WireMeter, tree_nbytes
 from shoal.experiments.churn import Schedule
 from shoal.experiments.fields import ConfigError
 from shoal.optim.helpers import error_feedback_mask, rank_uniform_mask
 from shoal.optim.readouts import evaluation_params
 
-__all__ = ["check_run", "churned", "schedule_of", "step_rows", "window"]
+__all__ = ["check_run", "churned", "join_bytes", "schedule_of", "step_rows", "window"]
 
 
 def check_run(cfg: Any, backend: str, entry: Any) -> None:
@@ -82,6 +83,17 @@ def step_rows(schedule: Schedule, window: int) -> np.ndarray:
     joining = schedule.joining().astype(np.float32)
     source = np.broadcast_to(schedule.sources()[:, None], weights.shape).astype(np.float32)
     return np.stack([weights, joining, source], axis=-1)
+
+
+def join_bytes(params: Any, opt_state: Any, workers: int) -> int:
+    """Bytes a worker that joins receives from its source, and the source sends: one
+    worker's model and the optimizer state it copies (its per-worker leaves but error
+    feedback and meters), from ``params`` of one worker and ``opt_state`` as the simulated
+    workers hold it (per-worker leaves stacked over ``workers``, rank-uniform ones once)."""
+    kept = jax.tree.leaves(_kept_own(opt_state))
+    leaves = zip(jax.tree.leaves(opt_state), kept, strict=True)
+    copied = sum(tree_nbytes(x) // workers for x, keep in leaves if not keep)
+    return tree_nbytes(params) + copied
 
 
 def _kept_own(state: Any) -> Any:

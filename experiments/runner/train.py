@@ -222,6 +222,9 @@ class _Run:
         self.churn = None
         if cfg.churn:
             self.churn = churn_run.step_rows(churn_run.schedule_of(cfg), churn_run.window(entry))
+            self.join_bytes = churn_run.join_bytes(
+                task.init_params(), backend.stacked(self.opt_state), backend.size
+            )
         self.scan = cfg.steps_per_program() > 1  # programs of several steps (`run_steps`)
         # With cfg.grad_chunk the gradients run a chunk of workers at a time
         # (`compile_step`). A worker of several devices: each device differentiates
@@ -379,6 +382,11 @@ class _Run:
             (loss, sent, received, *(figures[r.name] for r in found)),
             (*METRIC_OPS, *(r.by_device for r in found)),
         )
+        if self.churn is not None:  # a joiner's copy of the model and state, from its source
+            joining = self.churn[step - 1, :, 1] > 0
+            sent, received = sent.copy(), received.copy()
+            received[joining] += self.join_bytes
+            sent[int(self.churn[step - 1, 0, 2])] += self.join_bytes * int(joining.sum())
         self.sent_total += sent
         self.received_total += received
         here = self.present(step)  # under churn, the loss of the workers present
