@@ -31,6 +31,7 @@ from shoal.comms.presence import present
 from shoal.comms.wire import WireMeter, tree_nbytes
 from shoal.experiments.churn import Schedule
 from shoal.experiments.fields import ConfigError
+from shoal.optim._inplace import run_if
 from shoal.optim.helpers import error_feedback_mask, rank_uniform_mask
 from shoal.optim.readouts import evaluation_params
 
@@ -132,9 +133,10 @@ def churned(step: Any, collective: Any) -> Any:
             )
             return params, state
 
-        # Joins are rare: a branch on whether anyone joins (the same on every worker).
+        # Joins are rare: the pass over the model and state runs in place, only on a step
+        # that has one (`run_if`: a lax.cond would copy them every step).
         anyone = collective.uniform(jnp.any(collective.all_gather(joining)))
-        params, opt_state = jax.lax.cond(anyone, join, lambda c: c, (params, opt_state))
+        params, opt_state = run_if(anyone, join, (params, opt_state))
         with present(collective, weights):
             new_params, new_state, metrics = step(params, opt_state, x, y, *fault)
         here = weight > 0
