@@ -21,6 +21,10 @@ drjax program). The systems:
   (`shoal.optim.helpers.uniform_axes`, `hold_uniform`): what ``shoal-run`` runs;
 * **shoal, held once, scanned**: that, with the H inner steps of a round in one
   ``lax.scan`` inside one jitted, donated program (``shoal-run --set scan_steps=10``);
+* **shoal, held once, in turn**: the round in one program, its H - 1 local steps one
+  worker after another (`shoal.optim.helpers.take_turns`: a loop over the workers of each
+  worker's scan), the exchange step under vmap (``shoal-run --set scan_steps=10 --set
+  in_turn=true``);
 * **drjax**: a drjax program (``drjax.program``, ``map_fn``, ``reduce_mean``,
   ``broadcast``) in MaxText's layout: the inner parameters and AdamW states placed, one
   per worker, the global model and the outer optimizer state held once; the H inner steps
@@ -65,7 +69,7 @@ from sim_scale import ScaleTask, memory, n_params
 from shoal.comms import AxisCollective
 from shoal.experiments.runner import malloc
 from shoal.optim import diloco, update_and_apply
-from shoal.optim.helpers import hold_uniform, uniform_axes
+from shoal.optim.helpers import hold_uniform, take_turns, uniform_axes
 
 LR, OUTER_LR, MOMENTUM = 1e-3, 0.7, 0.9
 
@@ -136,11 +140,14 @@ def nbytes(tree) -> int:
 
 class Shoal:
     """shoal's `diloco` under vmap; ``held``: its rank-uniform state held once
-    (`shoal.optim.helpers.uniform_axes`); ``scanned``: H inner steps per program."""
+    (`shoal.optim.helpers.uniform_axes`); ``scanned``: H inner steps per program;
+    ``in_turn``: the H - 1 local steps of a round one worker after another
+    (`shoal.optim.helpers.take_turns`), then the exchange step vmapped, in one program."""
 
-    def __init__(self, model, n: int, h: int, *, held: bool, scanned: bool):
+    def __init__(self, model, n: int, h: int, *, held: bool, scanned: bool, in_turn=False):
         self.name = "shoal" + (", held once" if held else "") + (", scanned" if scanned else "")
-        self.h, self.held, self.scanned = h, held, scanned
+        self.name += ", in turn" if in_turn else ""
+        self.h, self.held, self.scanned = h, held, scanned or in_turn
         coll = AxisCollective("workers", n)
         tx = diloco(inner_tx(), collective=coll, sync_every=h, outer=outer_tx())
 
@@ -161,13 +168,22 @@ class Shoal:
         axes = uniform_axes(state) if held else 0
         self.state = (params, state)
         xs, ys = model.batches(h, n)
-        if scanned:
+        if in_turn:
+            sync = jax.vmap(step, axis_name="workers", in_axes=(0, axes, 0, 0), out_axes=(0, axes))
+
+            def fn(params, state, xs, ys):  # xs: [N, H, ...]
+                local = lambda p, s, x, y: (*step(p, s, x, y), ())
+                params, state, _ = take_turns(local, coll, params, state, xs[:, :-1], ys[:, :-1])
+                return sync(params, state, xs[:, -1], ys[:, -1])
+
+            self.args = (jnp.swapaxes(xs, 0, 1), jnp.swapaxes(ys, 0, 1))
+        elif scanned:
             fn = jax.vmap(round_, axis_name="workers", in_axes=(0, axes, 1, 1), out_axes=(0, axes))
             self.args = (xs, ys)
         else:
             fn = jax.vmap(step, axis_name="workers", in_axes=(0, axes, 0, 0), out_axes=(0, axes))
             self.args = [(xs[k], ys[k]) for k in range(h)]
-        example = self.args if scanned else self.args[0]
+        example = self.args if self.scanned else self.args[0]
         self.program = jax.jit(fn, donate_argnums=(0, 1)).lower(*self.state, *example).compile()
         self.memory = memory(self.program)["peak"]
         self.state_bytes = nbytes(self.state)
@@ -275,6 +291,7 @@ def measure(model, n: int, h: int, reps: int, drjax: bool = True) -> dict[str, A
         Shoal(model, n, h, held=False, scanned=False),
         Shoal(model, n, h, held=True, scanned=False),
         Shoal(model, n, h, held=True, scanned=True),
+        Shoal(model, n, h, held=True, scanned=False, in_turn=True),
         *([DrJAX(model, n, h)] if drjax else []),
         Floor(model, n, h),
     ]
@@ -313,42 +330,43 @@ def report(results: list[dict[str, Any]], h: int, reps: int, wall: float, load) 
         f"drjax {__import__('drjax').__version__}, load average (1 min) {load[0]:.2f} at start, "
         f"{os.getloadavg()[0]:.2f} at end; total {wall:.0f} s; malloc: {malloc.describe()}"
     )
-    held, both = "shoal, held once", "shoal, held once, scanned"
+    held, both, turn = "shoal, held once", "shoal, held once, scanned", "shoal, held once, in turn"
     print()
     print("### Seconds per round, and ratios (above 1: the first named is slower)")
     print()
     print(
-        "| model | N | shoal | held once | held once, scanned | drjax | JAX floor | "
-        "drjax / shoal | drjax / held+scanned | shoal / floor | held+scanned / floor |"
+        "| model | N | shoal | held once | held, scanned | held, in turn | drjax | JAX floor | "
+        "drjax / scanned | drjax / in turn | scanned / floor | in turn / floor |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         s = r["seconds"]
-        sh, he, hs, dr, fl = (s[k] for k in ("shoal", held, both, "drjax", "JAX floor"))
+        sh, he, hs, it, dr, fl = (s[k] for k in ("shoal", held, both, turn, "drjax", "JAX floor"))
         print(
-            f"| {r['model']} | {r['n']} | {sh:.4g} | {he:.4g} | {hs:.4g} | {dr:.4g} | {fl:.4g} | "
-            f"{dr / sh:.2f} | {dr / hs:.2f} | {sh / fl:.2f} | {hs / fl:.2f} |"
+            f"| {r['model']} | {r['n']} | {sh:.4g} | {he:.4g} | {hs:.4g} | {it:.4g} | {dr:.4g} | "
+            f"{fl:.4g} | {dr / hs:.2f} | {dr / it:.2f} | {hs / fl:.2f} | {it / fl:.2f} |"
         )
     print()
     print("### Memory per worker (MB) and agreement after one round")
     print()
     print(
-        "| model | N | XLA: shoal | held once | held once, scanned | drjax | state: shoal | "
-        "held once | drjax | max diff to shoal: held, held+scanned, drjax |"
+        "| model | N | XLA: shoal | held once | held, scanned | held, in turn | drjax | "
+        "state: shoal | held once | drjax | max diff to shoal: held, scanned, in turn, drjax |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         m, st, a = r["memory"], r["state"], r["agree"]
+        mb = lambda k, m=m: f"{m[k] / 1e6:.3g}"
         print(
-            f"| {r['model']} | {r['n']} | {m['shoal'] / 1e6:.3g} | {m[held] / 1e6:.3g} | "
-            f"{m[both] / 1e6:.3g} | {m['drjax'] / 1e6:.3g} | {st['shoal'] / 1e6:.3g} | "
-            f"{st[held] / 1e6:.3g} | {st['drjax'] / 1e6:.3g} | "
-            f"{a[held]:.1e}, {a[both]:.1e}, {a['drjax']:.1e} |"
+            f"| {r['model']} | {r['n']} | {mb('shoal')} | {mb(held)} | {mb(both)} | {mb(turn)} | "
+            f"{mb('drjax')} | {st['shoal'] / 1e6:.3g} | {st[held] / 1e6:.3g} | "
+            f"{st['drjax'] / 1e6:.3g} | "
+            f"{a[held]:.1e}, {a[both]:.1e}, {a[turn]:.1e}, {a['drjax']:.1e} |"
         )
     print()
     print(
         "The floor is one worker's plain AdamW step times N. XLA: its accounting of the "
-        "compiled program (shoal's per-step program; the round for the scanned ones and "
+        "compiled program (shoal's per-step program; the round for the scanned, in turn and "
         "drjax); state: the bytes carried between programs; both over N."
     )
 

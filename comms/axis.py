@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from shoal.comms import presence
+from shoal.comms import presence, turns
 from shoal.comms.collective import (
     all_to_all_sum,
     check_all_to_all,
@@ -76,9 +76,12 @@ class AxisCollective:
         # Stored as a Python int even when given a NumPy one (the repr shows it).
         object.__setattr__(self, "size", check_size(self.size))
 
-    def _check_axis(self) -> None:
+    def _check_axis(self, exchange: str | None = None) -> None:
         # Called at trace time: a vmap over the wrong number of workers would otherwise
-        # silently give a wrong mean or a wrong rank range.
+        # silently give a wrong mean or a wrong rank range. One worker's turn
+        # (`shoal.comms.turns`) has no axis to exchange over.
+        if exchange is not None:
+            turns.refuse(f"AxisCollective.{exchange}", self.axis_name)
         try:
             actual = lax.psum(1, self.axis_name)
         except NameError as e:
@@ -107,11 +110,15 @@ class AxisCollective:
         """This worker's index along ``axis_name``.
 
         Under vmap each simulated worker gets its own index (a batched value); under
-        shard_map each device along the mesh axis gets its position.
+        shard_map each device along the mesh axis gets its position; in a worker's turn
+        (`shoal.comms.turns.in_turn`), the worker's.
 
         Returns:
           an int32 scalar in ``[0, size)``.
         """
+        turn = turns.current(self.axis_name)
+        if turn is not None:
+            return turn.rank
         self._check_axis()
         return lax.axis_index(self.axis_name).astype(jnp.int32)
 
@@ -131,7 +138,7 @@ class AxisCollective:
           a pytree like ``tree`` holding the reduction, identical on every worker.
         """
         check_op(op)
-        self._check_axis()
+        self._check_axis("all_reduce")
         simulated = self.simulated()
         among = presence.current(self.axis_name)
 
@@ -166,8 +173,11 @@ class AxisCollective:
             an all-reduced flag).
 
         Returns:
-          a pytree like ``x`` (unbatched under vmap).
+          a pytree like ``x`` (unbatched under vmap; ``x`` itself in one worker's turn,
+          `shoal.comms.turns`).
         """
+        if turns.current(self.axis_name) is not None:
+            return x
         self._check_axis()
         if not self.simulated():
             return x
@@ -189,7 +199,7 @@ class AxisCollective:
           an array of shape ``[size, *x.shape]`` whose row ``j`` is worker ``j``'s ``x``.
         """
         presence.refuse("AxisCollective.all_gather", self.axis_name)
-        self._check_axis()
+        self._check_axis("all_gather")
         return lax.all_gather(x, self.axis_name)
 
     def all_to_all(self, x: jax.Array) -> jax.Array:
@@ -207,7 +217,7 @@ class AxisCollective:
         """
         presence.refuse("AxisCollective.all_to_all", self.axis_name)
         check_all_to_all(x, self.size)
-        self._check_axis()
+        self._check_axis("all_to_all")
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
 
     def reduce_scatter(self, x: jax.Array) -> jax.Array:
@@ -227,7 +237,7 @@ class AxisCollective:
         """
         presence.refuse("AxisCollective.reduce_scatter", self.axis_name)
         check_all_to_all(x, self.size, "reduce_scatter")
-        self._check_axis()
+        self._check_axis("reduce_scatter")
         if not self.simulated():
             return all_to_all_sum(self, x)
         acc = promote_types(x.dtype, jnp.float32)
@@ -276,7 +286,7 @@ class AxisCollective:
         """
         presence.refuse("AxisCollective.broadcast", self.axis_name)
         root = check_root(root, self.size)
-        self._check_axis()
+        self._check_axis("broadcast")
         if self.simulated():  # worker root's row of the (free, unbatched) gather
             return jax.tree.map(lambda x: lax.all_gather(x, self.axis_name)[root], tree)
         is_root = lax.axis_index(self.axis_name) == root
@@ -316,7 +326,7 @@ class AxisCollective:
         """
         presence.refuse("AxisCollective.ppermute", self.axis_name)
         pairs = check_perm(perm, self.size)
-        self._check_axis()
+        self._check_axis("ppermute")
         # vmap's ppermute needs a full permutation: route the idle workers among
         # themselves, then zero what the workers outside ``perm``'s destinations got.
         free_src = sorted(set(range(self.size)) - {s for s, _ in pairs})
@@ -349,7 +359,7 @@ class AxisCollective:
         """
         presence.refuse("AxisCollective.ppermute_switch", self.axis_name)
         perms = check_perms(perms, self.size)
-        self._check_axis()
+        self._check_axis("ppermute_switch")
         if not self.simulated():
             return switch_ppermute(self, x, perms, index)
         sources = np.zeros((len(perms), self.size), np.int32)

@@ -73,6 +73,15 @@ class RunFields:
     # XLA:CPU runs simulated conv nets' scanned steps 2.8x slower (benchmarks/scan_steps.py).
     scan_steps: int = 1
 
+    # Simulated workers take turns (--backend sim, scan_steps >= 2): for the entries
+    # registered for it (diloco, muloco, sparseloco; the others run as without it), the
+    # local steps of a program run one worker after another (shoal.optim.helpers.
+    # take_turns), the exchange step under vmap, so each local step's working set is one
+    # worker's (benchmarks/sim_vs_jax_peer.py: faster for the 1M MLP at 8 and 16 workers,
+    # not for the 4M LM at 8). Records are those without it to float32 rounding; a
+    # non-finite skip runs its program's steps again with the workers together.
+    in_turn: bool = False
+
     # Cluster projection (`shoal.costmodel`): when project_workers > 0, every run's
     # collectives are replayed for that many workers and timed on the preset cluster
     # project_cluster (its workers per node), plus one worker's compute time measured here.

@@ -28,6 +28,7 @@ from shoal.checks import check_int
 from shoal.comms.agreement import check_same_structure
 from shoal.comms.codecs import Compressor, tree_mean
 from shoal.comms.collective import Collective, uniform_over
+from shoal.comms.turns import leave_out, taking_turns
 from shoal.comms.wire import WireCount, WireMeter
 from shoal.dtypes import apply_updates
 from shoal.optim._applying import applying_transformation
@@ -243,7 +244,11 @@ def diloco_named(
             WireCount.zero(),
             state.exchange_memory,
         )
-        out, outer_state, theta_g, rounds, wire, memory = run_if(is_sync, outer_step, carry)
+        if taking_turns(collective):  # a worker's local steps, one at a time: no outer step
+            leave_out(collective, is_sync)  # (the turn's taker checks it was not due)
+            out, outer_state, theta_g, rounds, wire, memory = carry
+        else:
+            out, outer_state, theta_g, rounds, wire, memory = run_if(is_sync, outer_step, carry)
         new_state = DiLoCoState(
             inner_state=inner_state,
             outer_state=outer_state,

@@ -62,6 +62,7 @@ from jax import lax
 from shoal import vma
 from shoal.comms.collective import Collective
 from shoal.comms.shards import worker_max
+from shoal.comms.turns import taking_turns
 from shoal.comms.wire import WireCount, WireMeter, all_reduce_bytes, tree_nbytes
 from shoal.dtypes import apply_updates
 from shoal.optim._applying import ApplyingTransformation, update_and_apply
@@ -166,7 +167,11 @@ def _count_nonfinite(updates: Any, collectives: Sequence[Collective]):
     bad = worker_max(local_nonfinite(updates), collectives)
     wire = WireCount.zero()
     for c in collectives:
-        bad = c.all_reduce(bad, "sum")
+        # In a worker's turn (`shoal.comms.turns`) its own flag: the caller runs the steps
+        # again with the workers together if any worker skipped (`shoal.optim.helpers.
+        # take_turns`). The bytes are the all-reduce's all the same.
+        if not taking_turns(c):
+            bad = c.all_reduce(bad, "sum")
         wire = wire + WireCount.of(*all_reduce_bytes(4, c.size))
     return bad, wire
 

@@ -3,7 +3,7 @@
 averaging, NoLoCo's pairings, the bins of partial exchange, Streaming DiLoCo's fragments, the error
 ``nonfinite="raise"`` raised inside a compiled step, the check that every worker
 starts from the same model, the axes that let simulated workers hold rank-uniform
-state once, and which leaves are error feedback.
+state once and take their local steps in turn, and which leaves are error feedback.
 
 Example:
   >>> from shoal.optim.helpers import peer_permutation
@@ -19,6 +19,7 @@ from shoal.optim._partial_exchange import partial_exchange_bins
 from shoal.optim._peer_averaging import peer_permutation
 from shoal.optim._same_model import SameModelCheck, check_same_model, same_model_check
 from shoal.optim._streaming_diloco import split_fragments
+from shoal.optim._turns import take_turns
 from shoal.optim._uniform import hold_uniform, uniform_axes
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "same_model_check",
     "split_fragments",
     "take_raised",
+    "take_turns",
     "uniform_axes",
 ]

@@ -132,6 +132,10 @@ class Algorithm:
     # Runs under churn (`shoal.experiments.churn`): its exchanges are all-reduces whose
     # mean over the present workers is its rule, and nothing else counts the workers.
     churn: bool = False
+    # Its simulated workers may take their local steps in turn (config ``in_turn``): every
+    # ``sync_every``-th step of its own count exchanges, the others only through
+    # `shoal.comms.turns.leave_out`.
+    turns: bool = False
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -152,6 +156,7 @@ def register(
     warmup: Callable[[Any, Config], int] | None = None,
     asynchronous: Callable[[Any, Config], Any] | None = None,
     churn: bool = False,
+    turns: bool = False,
 ) -> Callable[[Builder], Builder]:
     """Decorator: make the builder ``build(params, ctx)`` runnable as ``name``.
 
@@ -182,6 +187,11 @@ def register(
         exchange is an all-reduce whose token-weighted mean over the present workers is
         the algorithm's rule, and no formula of it counts the workers (BMUF's block
         momentum ``1 - 1/N`` does; the noise scale's batch sizes do).
+      turns: with config ``in_turn`` its simulated workers take their local steps one
+        after another (`shoal.optim.helpers.take_turns`): its params have a
+        ``sync_every``, only every ``sync_every``-th step of its own count (steps skipped
+        for a non-finite gradient not counted) exchanges, and the other steps' exchanges
+        are left out in a turn (`shoal.comms.turns.leave_out`).
     """
     if not (isinstance(params, type) and issubclass(params, Hyper)):
         raise TypeError(f"register({name!r}): params must be a Hyper dataclass, got {params!r}")
@@ -198,7 +208,7 @@ def register(
             raise ValueError(f"algorithm {name!r} is already registered")
         ALGORITHMS[name] = Algorithm(
             name, params, build, skip_in_place, two_tier, policy, reference, compares_to,
-            warmup, family, asynchronous, churn,
+            warmup, family, asynchronous, churn, turns,
         )  # fmt: skip
         return build
 

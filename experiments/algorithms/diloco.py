@@ -26,7 +26,7 @@ class DiLoCo(RoundFields):
         self.check_last_step(run)
 
 
-@register("diloco", DiLoCo, skip_in_place="apply", family="local", churn=True)
+@register("diloco", DiLoCo, skip_in_place="apply", family="local", churn=True, turns=True)
 def build(p: DiLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.diloco(
         p.inner.make(ctx.run.steps),

@@ -86,7 +86,7 @@ class MuLoCo(RoundFields):
         self.check_last_step(run)  # as DiLoCo's
 
 
-@register("muloco", MuLoCo, skip_in_place="apply", family="local", churn=True)
+@register("muloco", MuLoCo, skip_in_place="apply", family="local", churn=True, turns=True)
 def build(p: MuLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.diloco(
         p.inner.make(ctx.run.steps),

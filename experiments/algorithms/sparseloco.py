@@ -40,7 +40,7 @@ class SparseLoCo(RoundFields):
         self.check_last_step(run)  # as DiLoCo's
 
 
-@register("sparseloco", SparseLoCo, skip_in_place="apply", family="local")
+@register("sparseloco", SparseLoCo, skip_in_place="apply", family="local", turns=True)
 def build(p: SparseLoCo, ctx: Context) -> optax.GradientTransformation:
     return optim.sparseloco(
         p.inner.make(ctx.run.steps),

@@ -51,8 +51,10 @@ from shoal.experiments.runner.checkpoint_files import (
 
 # Fields that may change between a run and its resumption without changing the training
 # (grad_chunk: how many workers' gradients are computed at once; scan_steps: how many steps
-# one program runs; the same values).
-IGNORED_FIELDS = frozenset({"name", "algorithms", "checkpoint_every", "grad_chunk", "scan_steps"})
+# one program runs; in_turn: whether local steps run one worker at a time; the same values).
+IGNORED_FIELDS = frozenset(
+    {"name", "algorithms", "checkpoint_every", "grad_chunk", "scan_steps", "in_turn"}
+)
 
 
 def config_fields(cfg: Config, algorithm: str | None = None) -> dict[str, str]:

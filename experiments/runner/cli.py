@@ -37,6 +37,7 @@ from shoal.experiments.reports import MetricsLog, summary_table, write_run
 from shoal.experiments.reports.files import write_jsonl
 from shoal.experiments.runner import churn as churn_run
 from shoal.experiments.runner import memory, sweep
+from shoal.experiments.runner import turns as turns_run
 from shoal.experiments.runner.analysis import Analysis, run_analysis
 from shoal.experiments.runner.arguments import (
     build_parser,
@@ -104,6 +105,7 @@ def _setup(args, backend, loaded):
             sweep.swept_path(e, args.sweep[0])
         sweep.tuning_config(cfg, args.sweep_fraction, entries)
     check_grad_chunk(cfg.grad_chunk, args.backend, workers)
+    turns_run.check_run(cfg, args.backend)  # in_turn where it cannot apply
     if cfg.churn:  # an entry that cannot churn: refused before any entry trains
         for e in entries:
             churn_run.check_run(cfg, args.backend, e)

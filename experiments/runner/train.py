@@ -16,6 +16,7 @@ import optax
 from shoal import vma
 from shoal.comms import wire_bytes
 from shoal.comms.presence import ChurnError
+from shoal.comms.turns import TurnError, take_due
 from shoal.experiments import algorithms
 from shoal.experiments.algorithms import Entry
 from shoal.experiments.config import Config, ConfigError
@@ -29,6 +30,7 @@ from shoal.experiments.runner import (
     projection,
 )
 from shoal.experiments.runner import churn as churn_run
+from shoal.experiments.runner import turns as turns_run
 from shoal.experiments.runner.backends import Backend
 from shoal.experiments.runner.checkpoint import Checkpointer
 from shoal.experiments.runner.progress import POSTFIX_EVERY, progress_bar
@@ -226,6 +228,11 @@ class _Run:
                 task.init_params(), backend.stacked(self.opt_state), backend.size
             )
         self.scan = cfg.steps_per_program() > 1  # programs of several steps (`run_steps`)
+        # in_turn: a program's local steps one worker after another (`turns_run`), one
+        # program per (local steps, all steps) pair met.
+        every = turns_run.period(cfg, backend.name, entry)
+        self.turns = None if every is None else turns_run.Plan(every)
+        self.turn_programs: dict[tuple[int, int], Any] = {}
         # With cfg.grad_chunk the gradients run a chunk of workers at a time
         # (`compile_step`). A worker of several devices: each device differentiates
         # `backend.device_loss`.
@@ -297,6 +304,8 @@ class _Run:
         step's params and state."""
         cfg = self.cfg
         last = min(step + cfg.steps_per_program() - 1, stop)
+        if self.turns is not None:  # an exchange step only at a program's end
+            last = self.turns.chunk_end(step, last, self.skipped())
         for s in range(step, last):
             periodic = saving and cfg.checkpoint_every and s % cfg.checkpoint_every == 0
             if s % cfg.eval_every == 0 or self.policy_due(s) or periodic:
@@ -309,16 +318,29 @@ class _Run:
         if self.step_fn is None:
             self.step_fn = self.compile(self.tx)
         backend, n = self.backend, last - first + 1
+        step_fn = self.step_fn
+        if self.turns is not None and self.scan:
+            key = (self.turns.local_steps(first, last, self.skipped()), n)
+            if key not in self.turn_programs:
+                loss = backend.device_loss(self.task.loss)
+                step = make_step(loss, self.tx, inject=self.injection is not None)
+                self.turn_programs[key] = turns_run.compile_turns(backend, step, *key)
+            step_fn = self.turn_programs[key]
         if self.scan:
             per_step = [self.batch(step) for step in range(first, last + 1)]
             batch = [backend.steps_of(arrays) for arrays in zip(*per_step)]
         else:
             batch = self.batch(first)
         try:
-            self.params, self.opt_state, metrics = self.step_fn(self.params, self.opt_state, *batch)
+            if step_fn is self.step_fn:
+                out = step_fn(self.params, self.opt_state, *batch)
+            else:
+                out = self.in_turn(step_fn, batch)
+            self.params, self.opt_state, metrics = out
             memory.ready(metrics)  # an XLA out-of-memory raises here, not hangs in gather
             gathered = backend.gather(backend.stacked(metrics))
-        except ChurnError as e:  # traced on the first call: an exchange churn cannot mask
+        except (ChurnError, TurnError) as e:  # traced on the first call: an exchange that
+            # churn cannot mask, or that a step in turn cannot make
             raise ConfigError(f"{self.entry.label}: {e}") from None
         except jax.errors.JaxRuntimeError:
             # nonfinite="raise": every rank raises here, in the same program.
@@ -339,6 +361,25 @@ class _Run:
             return [None] * n
         # Rows first, then the chunk's steps.
         return [jax.tree.map(lambda a, k=k: np.asarray(a)[:, k], gathered) for k in range(n)]
+
+    def in_turn(self, program: Any, batch: list[Any]) -> Any:
+        """``program`` (`turns_run.compile_turns`) on ``batch``, or the same steps with the
+        workers together (the non-finite skip and the exchanges exactly as without
+        ``in_turn``) where a worker skipped a step in its turn or an exchange left out of
+        a turn was due."""
+        try:
+            *out, redo = program(self.params, self.opt_state, *batch)
+            if not bool(redo):
+                return out
+        except jax.errors.JaxRuntimeError:
+            if take_due() is None:
+                raise
+        return self.step_fn(self.params, self.opt_state, *batch)
+
+    def skipped(self) -> int:
+        """Steps skipped so far (`turns_run.skipped`): the algorithm's counter lags by as
+        many."""
+        return int(turns_run.skipped(self.opt_state))
 
     def replay(self, first: int, last: int) -> list[Any]:
         """Steps ``first`` to ``last`` again, a program of one step each (`run_steps`)."""
