@@ -25,7 +25,7 @@ The stages, each in a process of its own with its own time budget (`gpu.record.B
    workers: ratios to local SGD and memory (`gpu.simulator`);
 5. ``lm``: S-SGD+AdamW, DiLoCo and Streaming DiLoCo on the byte-level LM at 25M
    parameters (`gpu.lm`, `experiments/configs/gpu_lm.py`);
-6. ``peer``: `sim_vs_jax_peer`'s DiLoCo (shoal, held once, scanned; drjax; the JAX floor)
+6. ``peer``: `sim_vs_jax_peer`'s DiLoCo (shoal, held once, scanned, in turn; drjax; the floor)
    at 25M parameters x 8 and 16 workers (`gpu.peer`; drjax travels as its wheel in
    ``.whl``).
 

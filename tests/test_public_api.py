@@ -48,6 +48,6 @@ def test_helpers_are_a_named_namespace_not_the_top_level():
                                     "take_raised", "same_model_check", "check_same_model",
                                     "SameModelCheck", "split_fragments", "hold_uniform",
                                     "uniform_axes", "pairing", "error_feedback_mask",
-                                    "rank_uniform_mask"}  # fmt: skip
+                                    "rank_uniform_mask", "take_turns"}  # fmt: skip
     assert not set(helpers.__all__) & set(optim.__all__)
     assert helpers.peer_permutation("round_robin", 4, 1) == (2, 3, 0, 1)

@@ -54,7 +54,7 @@ def test_every_system_trains_the_same_diloco():
         # and drjax averages in another order.
         assert 0.0 <= held < 1e-5 and 0.0 <= both < 1e-5 and 0.0 <= drjax < 1e-5
         # One worker's program rounds its gradients otherwise, and AdamW divides the
-        # tiny LM's near-zero ones by sqrt(v) + 1e-8: up to 1.3e-5 here, a 1% of its step
+        # tiny LM's near-zero ones by sqrt(v) + 1e-8: up to 1.3e-5 here, about 1% of its step
         # (with SGD inside: 4e-9).
         assert 0.0 <= turn < 1e-4
 

@@ -27,7 +27,7 @@ from shoal.experiments.runner import turns as turns_run
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import GaussianMixtureTask
-from shoal.optim import diloco, skip_nonfinite, update_and_apply
+from shoal.optim import NonFiniteGradientError, diloco, skip_nonfinite, update_and_apply
 from shoal.optim.helpers import hold_uniform, take_turns, uniform_axes
 
 pytestmark = pytest.mark.skipif(harness.UNDER_MPI, reason="simulated workers, one process")
@@ -276,6 +276,13 @@ def test_a_run_in_turn_is_the_run_without(setup, algorithm, extra):
         r["step"] for r, b in zip(records[1:], records) if r["mb_sent"] > b["mb_sent"] + 1e-3
     ]
     assert exchanges == ([3, 6, 9, 12, 15] if not extra else [3, 7, 10, 13])
+
+
+def test_a_raise_in_a_turn_names_the_step(setup):
+    cfg, task = setup
+    cfg = dataclasses.replace(cfg, in_turn=True, nonfinite="raise", inject_nonfinite="5:1")
+    with pytest.raises(NonFiniteGradientError, match=r"^step 5: NaN/Inf in the gradient of 1 of 4"):
+        train(cfg, task, SimBackend(WORKERS), "diloco", progress=False)
 
 
 def test_a_wrong_plan_runs_the_steps_together(setup, monkeypatch):

@@ -1,6 +1,7 @@
 """Stage 6, shoal's simulated DiLoCo against drjax on the device: `sim_vs_jax_peer`'s
 systems (shoal with every leaf per worker; with its rank-uniform state held once, as
-``shoal-run`` runs it; that with the H = 10 inner steps of a round in one scan; drjax in
+``shoal-run`` runs it; that with the H = 10 inner steps of a round in one scan; that with
+its local steps one worker after another, `shoal.optim.helpers.take_turns`; drjax in
 MaxText's layout; the JAX floor, one worker's AdamW step times N) on the byte-level LM at
 25.5M parameters (width 512, 8 blocks) and `sim_scale`'s MLP at 25M, x 8 and 16 workers.
 
