@@ -218,8 +218,10 @@ class TaskFields:
     # Task: "mixture", an MLP classifier on a Gaussian mixture (`shoal.experiments.tasks`),
     # or "hmm", an LSTM frame classifier on hidden-Markov sequences, a stand-in for
     # acoustic modelling (`shoal.experiments.tasks.acoustic`), or "lm", a byte-level transformer
-    # language model on the Python standard library's source (`shoal.experiments.tasks.lm`), or
-    # "images", a CNN on generated 16x16 glyph images (`shoal.experiments.tasks.images`; cnn:
+    # language model on the Python standard library's source (`shoal.experiments.tasks.lm`),
+    # "text", the same transformer at any size on installed text, with validation and test
+    # files held out (`shoal.experiments.tasks.text`), or "images", a CNN on generated
+    # 16x16 glyph images (`shoal.experiments.tasks.images`; cnn:
     # "small", two conv stages then dense layers of widths `hidden`, or "even", the same
     # network with its hidden layer stored as 16 column blocks: no leaf above 10%), or
     # your own: "module.path:factory" or "path/to/file.py:factory", a callable taking the
@@ -251,13 +253,19 @@ class TaskFields:
     # Frames per sequence (hmm) or bytes per example (lm); hmm only: the probability of
     # staying in a state (mean duration 1 / (1 - p) frames), and how many other states each
     # state can move to.
-    seq_len: int = for_tasks("hmm", "lm", default=32)
+    seq_len: int = for_tasks("hmm", "lm", "text", default=32)
     hmm_self_loop: float = for_tasks("hmm", default=0.8)
     hmm_successors: int = for_tasks("hmm", default=4)
-    # lm only: transformer width, blocks and attention heads (heads must divide width).
-    lm_width: int = for_tasks("lm", default=64)
-    lm_layers: int = for_tasks("lm", default=2)
-    lm_heads: int = for_tasks("lm", default=4)
+    # lm and text: transformer width, blocks and attention heads (heads must divide width).
+    lm_width: int = for_tasks("lm", "text", default=64)
+    lm_layers: int = for_tasks("lm", "text", default=2)
+    lm_heads: int = for_tasks("lm", "text", default=4)
+    # text only: which installed text (`shoal.experiments.tasks.text`): "stdlib" (the
+    # standard library's top-level modules), "stdlib_tree" (all of its .py files) or
+    # "installed" (those and site-packages' .py, .md, .rst and .txt files).
+    text_corpus: Literal["stdlib", "stdlib_tree", "installed"] = for_tasks(
+        "text", default="stdlib_tree"
+    )
     cnn: Literal["small", "even"] = for_tasks("images", default="small")
 
     @classmethod

@@ -40,6 +40,8 @@ SUMMARY_COLUMNS = (
     ("test_loss", "test loss", "{:.4f}"),
     ("test_accuracy", "test acc", "{:.2%}"),
     ("test_error", "test error", "{:.2%}"),
+    ("test_bits_per_byte", "test bits/byte", "{:.3f}"),
+    ("tokens_m", "M tokens", "{:.3g}"),
     ("mb_sent", "MB sent/worker", "{:.3f}"),
     ("mb_received", "MB recv/worker", "{:.3f}"),
     ("peak_kb_sent", "peak kB sent/step", "{:.1f}"),
@@ -49,7 +51,7 @@ SUMMARY_COLUMNS = (
     ("wall_s", "wall s", "{:.1f}"),
 )
 # Shown only when some run has them.
-OPTIONAL_COLUMNS = ("projected_ms", "skipped", "peak_kb_sent")
+OPTIONAL_COLUMNS = ("projected_ms", "skipped", "peak_kb_sent", "test_bits_per_byte", "tokens_m")
 
 
 def _number(x: float, fmt: str) -> str:

@@ -21,6 +21,8 @@ def base_summary(label: str, cfg: Any, records: list[dict[str, Any]], wall_s: fl
         "test_loss": last["test_loss"],
         "test_accuracy": last["test_accuracy"],
         "test_error": 1.0 - last["test_accuracy"],
+        "test_bits_per_byte": last.get("test_bits_per_byte"),  # a text task's
+        "tokens_m": last["tokens"] / 1e6 if "tokens" in last else None,  # tokens seen
         "mb_sent": last["mb_sent"],
         "mb_received": last["mb_received"],
         # the most any one step sent (per worker): what a link must carry at once

@@ -445,6 +445,11 @@ class _Run:
             value = readout.combine(value)
             if readout.shown(value):
                 rec[readout.name] = value
+        per_example = getattr(self.task, "tokens_per_example", None)
+        if per_example is not None:  # tokens seen by the workers present, so far
+            workers = len(loss) if here is None else int(here.sum())
+            before = self.records[-1]["tokens"] if self.records else 0
+            rec["tokens"] = before + workers * self.cfg.batch_size * per_example
         if decision:
             rec["policy"] = policies.describe(decision)
         if avg is not None:

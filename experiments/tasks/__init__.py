@@ -27,6 +27,7 @@ from shoal.experiments.tasks.classifier import ClassifierTask
 from shoal.experiments.tasks.images import ImageTask
 from shoal.experiments.tasks.lm import ByteLMTask
 from shoal.experiments.tasks.protocol import Task, check_task
+from shoal.experiments.tasks.text import TextTask
 
 __all__ = ["Task", "check_task", "make_task", "register_task", "registered_tasks", "task_factory"]
 
@@ -131,6 +132,7 @@ register_task("mixture", GaussianMixtureTask)
 register_task("hmm", HMMFrameTask)
 register_task("lm", ByteLMTask)
 register_task("images", ImageTask)
+register_task("text", TextTask)
 
 
 def task_factory(spec: str) -> Callable[[Config], Task]:

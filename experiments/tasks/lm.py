@@ -124,6 +124,7 @@ class ByteLMTask(ClassifierTask):
         self.corpus = load_corpus(self.root)
         self.train = windows(self.corpus.train, cfg.train_size, cfg.seq_len + 1)
         self.val = windows(self.corpus.val, cfg.test_size, cfg.seq_len + 1)
+        self.tokens_per_example = cfg.seq_len  # bytes: the runner counts the tokens seen
         model = ByteTransformer(cfg.lm_width, cfg.lm_layers, cfg.lm_heads, cfg.seq_len)
         super().__init__(cfg, model, jnp.zeros((1, cfg.seq_len), jnp.int32))
 
