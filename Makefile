@@ -16,7 +16,7 @@ TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
 .PHONY: run test test-sim test-nb test-sim-nb test-mpi test-gpu-rehearse gpu-check notebooks bench \
-	bench-cluster study lint wheel-check clean venv
+	bench-cluster study reproduce lint wheel-check clean venv
 
 venv: $(STAMP)
 
@@ -104,6 +104,10 @@ bench-cluster: $(STAMP)
 	$(PY) benchmarks/cluster/run.py $(BENCH_ARGS)
 
 # The longer experiments behind the README's results (minutes each on 2 cores).
+# The "Does it reproduce?" study (experiments/configs/reproduce.py): runs/reproduce/.
+reproduce: $(STAMP)
+	$(BIN)/shoal-run experiments/configs/reproduce.py --overwrite
+
 study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/gtc_sweep.py --overwrite
 	$(BIN)/shoal-run experiments/configs/acoustic_study.py --overwrite

@@ -50,6 +50,7 @@ from shoal.experiments.runner.arguments import (
 from shoal.experiments.runner.backends import make_backend, world_agree, world_rank
 from shoal.experiments.runner.checkpoint import Checkpointer, CheckpointError, folder_name
 from shoal.experiments.runner.checkpoint_files import CheckpointWriteError
+from shoal.experiments.runner.claims import Reproduction, run_reproduction
 from shoal.experiments.runner.malloc import (
     RUNNER_DEFAULT,
     reexec_with_tunables,
@@ -72,7 +73,8 @@ def _setup(args, backend, loaded):
     if not isinstance(loaded, Config):
         raise ConfigError(
             f"{args.config}: get_config() must return a shoal.experiments.config.Config, a "
-            "shoal.experiments.runner.study.Study or a shoal.experiments.runner.analysis.Analysis,"
+            "shoal.experiments.runner.study.Study, a shoal.experiments.runner.claims."
+            "Reproduction or a shoal.experiments.runner.analysis.Analysis,"
             f" got {type(loaded).__name__}"
         )
     from shoal.experiments.overrides import parse_value
@@ -138,6 +140,41 @@ def _setup_study(args, study: Study) -> tuple[Study, list]:
     study = dataclasses.replace(study, config=apply_overrides(study.config, sets), seeds=seeds)
     task_factory(study.config.task)
     return study, study.resolve_runs()  # every run checked, before any training
+
+
+def _setup_reproduction(args, rep: Reproduction) -> Reproduction:
+    if args.backend != "sim" or args.workers is not None or args.sweep is not None:
+        raise ConfigError(
+            "a reproduction runs its own arms, worker counts and tuning on simulated "
+            "workers: drop --workers, --sweep and --backend"
+        )
+    sets = _assignments(args)
+    fixed = [f"{k}={v}" for k, v in sets if k in (*_STUDY_FIELDS, "seed")]
+    if fixed:
+        raise ConfigError(f"a reproduction sets the runs' {', '.join(_STUDY_FIELDS)} and "
+                          f"seeds (--seeds): cannot --set {fixed[0]}")  # fmt: skip
+    seeds = rep.seeds if args.seeds is None else args.seeds
+    rep = dataclasses.replace(rep, config=apply_overrides(rep.config, sets), seeds=seeds)
+    for arm in rep.arms():  # every arm checked, before any training
+        rep.arm_config(arm)
+    return rep
+
+
+def _main_reproduction(args, rep: Reproduction, command: str) -> int:
+    arms = rep.arms()
+    print(f"{rep.config.name}: {len(rep.claims)} claims, {len(arms)} arms x "
+          f"{len(rep.seeds)} seeds (sim)")  # fmt: skip
+    out = args.out or Path("runs") / rep.config.name
+    with _claimed(out, args.overwrite, can_resume=False) as problem:
+        if problem:
+            return _error(problem, 2)
+        try:
+            run_reproduction(rep, out, command=command, progress=not args.no_progress)
+        except OSError as e:
+            return _write_error(out, e)
+    print((out / "reproduce.md").read_text())
+    print(f"wrote {out}/ (reproduce.md, results.jsonl, metrics.jsonl)")
+    return 0
 
 
 def _assignments(args) -> list[tuple[str, str]]:
@@ -314,10 +351,14 @@ def _main(args, command: str, backend) -> int:
     try:
         loaded = load_argument(args.config)
         if args.resume and not isinstance(loaded, Config):
-            what = "a study" if isinstance(loaded, Study) else "an analysis"
+            what = {Study: "a study", Reproduction: "a reproduction"}.get(
+                type(loaded), "an analysis"
+            )
             raise ConfigError(f"--resume continues a config's runs; {what} has none to resume")
         if isinstance(loaded, Study):
             study, resolved = _setup_study(args, loaded)
+        elif isinstance(loaded, Reproduction):
+            reproduction = _setup_reproduction(args, loaded)
         elif isinstance(loaded, Analysis):
             if args.overrides or args.workers is not None or args.backend != "sim":
                 raise ConfigError(
@@ -339,6 +380,8 @@ def _main(args, command: str, backend) -> int:
         return _error(problem, 2) if is_root else 2
     if isinstance(loaded, Study):
         return _main_study(args, study, resolved, command)
+    if isinstance(loaded, Reproduction):
+        return _main_reproduction(args, reproduction, command)
     if isinstance(loaded, Analysis):
         return _main_analysis(args, loaded)
     if backend is None:

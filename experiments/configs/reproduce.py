@@ -1,0 +1,125 @@
+"""Does it reproduce? The field's headline claims, each measured on the byte-level
+transformer of ``task="text"`` (the standard library's whole source, split by file), at
+equal tokens, over 3 seeds, every arm's learning rate tuned on the validation files
+first (`shoal.experiments.runner.claims`).
+
+Run it with ``make reproduce`` (``shoal-run reproduce``). The claims, as their papers
+state them:
+
+1. DiLoCo scaling laws (arXiv 2503.09799): DiLoCo with one replica (M = 1: the outer
+   Nesterov step on the H-step pseudo-gradient) reaches a lower loss than AdamW data
+   parallel at equal tokens.
+2. DiLoCo (arXiv 2311.08105): M = 4 and 8 workers, H in {10, 50, 100}, within a few
+   percent (3%) of data parallel with an M-times larger batch at equal tokens, with about
+   H times fewer bytes.
+3. Streaming DiLoCo (arXiv 2501.18512): DiLoCo's loss (within 1%) with about F times
+   lower peak bytes per step; an fp4 exchange loses nothing (within 1%).
+4. SparseLoCo (arXiv 2508.15706): at 1-3% density with 2-bit values, no worse than
+   DiLoCo at 30x fewer bytes or more.
+5. MuLoCo (arXiv 2505.23725): no worse than DiLoCo at the same H.
+6. PowerSGD (Vogels et al., NeurIPS 2019): rank 4 within 1% of momentum S-SGD.
+7. 1-bit Adam (Tang et al., ICML 2021) and 1-bit LAMB (Li et al., HiPC 2022): within 1%
+   of Adam / LAMB after the warm-up, with 4x less volume or more.
+8. DeMo (arXiv 2411.19870): no worse than AdamW data parallel.
+
+"No worse" is read as within 1%. The size (model, tokens) is what lets the study finish
+in about an hour on 2 CPU cores; `experiments/configs/gpu_lm.py` is the GPU's.
+"""
+
+from shoal.experiments.config import Config
+from shoal.experiments.runner.claims import Arm, Claim, Reproduction
+
+# The transformer and its data; every arm trains TOKENS tokens.
+MODEL = dict(lm_width=128, lm_layers=4, lm_heads=4, seq_len=64)
+BATCH = 4  # windows per worker and step
+TOKENS = 8 * BATCH * 64 * 500  # 500 steps at 8 workers, 4000 at 1
+M = 8  # workers of the claims that do not vary it
+H = 50  # the DiLoCo family's round, where a claim does not vary it
+ADAMW = {"learning_rate": 3e-3, "schedule": {"kind": "cosine", "warmup_steps": 20},
+         "clip": 1.0}  # fmt: skip
+INNER = {"inner": {"adamw": ADAMW}}
+
+
+def dp(workers: int) -> Arm:
+    return Arm(f"AdamW DP, M = {workers}", "ssgd_adamw", workers)
+
+
+def diloco(workers: int, h: int) -> Arm:
+    return Arm(f"DiLoCo, M = {workers}, H = {h}", f"diloco[sync_every={h}]", workers)
+
+
+def claims() -> list[Claim]:
+    out = [
+        Claim("DiLoCo, M = 1", "arXiv 2503.09799",
+              "DiLoCo with a single replica reaches a lower loss than AdamW data parallel "
+              "at equal tokens.", diloco(1, H), dp(1)),
+    ]  # fmt: skip
+    for workers in (4, 8):
+        for h in (10, 50, 100):
+            out.append(Claim(
+                f"DiLoCo, M = {workers}, H = {h}", "arXiv 2311.08105",
+                f"{workers} workers synchronising every {h} steps come within a few percent "
+                f"of data parallel with a {workers}x larger batch, with about {h}x fewer bytes.",
+                diloco(workers, h), dp(workers), within=0.03, fewer_bytes=0.9 * h,
+            ))  # fmt: skip
+    streaming = Arm("Streaming DiLoCo, F = 4", f"streaming_diloco[sync_every={H};fragments=4]", M)
+    fp4 = Arm("Streaming DiLoCo, F = 4, fp4",
+              f"streaming_diloco[sync_every={H};fragments=4;exchange.codec=fp4]", M)  # fmt: skip
+    sparse = Arm("SparseLoCo", f"sparseloco[sync_every={H}]", M)
+    adam, lamb = dp(M), Arm("LAMB DP", "lamb", M)
+    out += [
+        Claim("Streaming DiLoCo", "arXiv 2501.18512",
+              "Streaming DiLoCo with F fragments matches DiLoCo with about F times lower "
+              "peak bandwidth.", streaming, diloco(M, H), within=0.01, fewer_bytes=3.5,
+              peak=True),
+        Claim("Streaming DiLoCo, fp4", "arXiv 2501.18512",
+              "Exchanging the outer gradients in 4 bits loses nothing.", fp4, streaming,
+              within=0.01),
+        Claim("SparseLoCo", "arXiv 2508.15706",
+              "Top-k at 1-3% density with 2-bit values is no worse than DiLoCo at 30x fewer "
+              "bytes or more.", sparse, diloco(M, H), within=0.01, fewer_bytes=30),
+        Claim("MuLoCo", "arXiv 2505.23725",
+              "DiLoCo with Muon inside is no worse than DiLoCo with AdamW at the same H.",
+              Arm("MuLoCo", f"muloco[sync_every={H}]", M), diloco(M, H), within=0.01),
+        Claim("PowerSGD", "NeurIPS 2019",
+              "Rank-4 PowerSGD is within 1% of momentum S-SGD.",
+              Arm("PowerSGD, rank 4", "powersgd[rank=4]", M), Arm("momentum S-SGD", "ssgd", M),
+              within=0.01),
+        Claim("1-bit Adam", "ICML 2021",
+              "1-bit Adam is within 1% of Adam after the warm-up, with up to 5x less volume.",
+              Arm("1-bit Adam", "onebit_adam", M), adam, within=0.01, fewer_bytes=4),
+        Claim("1-bit LAMB", "HiPC 2022",
+              "1-bit LAMB is within 1% of LAMB after the warm-up, with 4.6x less volume.",
+              Arm("1-bit LAMB", "onebit_lamb", M), lamb, within=0.01, fewer_bytes=4),
+        Claim("DeMo", "arXiv 2411.19870",
+              "DeMo is no worse than AdamW data parallel.", Arm("DeMo", "demo", M), adam,
+              within=0.01),
+    ]  # fmt: skip
+    return out
+
+
+def get_config() -> Reproduction:
+    return Reproduction(
+        config=Config(
+            name="reproduce",
+            task="text",
+            text_corpus="stdlib_tree",
+            workers=M,
+            batch_size=BATCH,
+            test_size=256,
+            validation_size=256,
+            project_workers=0,
+            algorithms=("ssgd_adamw",),
+            **MODEL,
+            params={
+                "ssgd_adamw": {"adamw": ADAMW},
+                "diloco": INNER,
+                "streaming_diloco": INNER,
+                "sparseloco": INNER,
+                "muloco": {"inner": {"schedule": ADAMW["schedule"], "clip": 1.0}},
+            },
+        ),  # fmt: skip
+        claims=claims(),
+        tokens=TOKENS,
+        description=__doc__.split("\n\n")[0],
+    )

@@ -1,0 +1,295 @@
+"""Reproductions: papers' claims, each stated as its paper states it, measured on equal
+tokens over several seeds and judged (``shoal-run experiments/configs/reproduce.py``).
+
+A config file whose ``get_config()`` returns a `Reproduction` makes ``shoal-run`` train
+every `Arm` of every `Claim` (each distinct ``(workers, algorithm)`` once), every arm's
+main learning rate first tuned on the validation split (`shoal.experiments.runner.sweep.
+tune`: a grid of factors on a fraction of the run, judged by validation loss, never on
+the test set), then trained once per seed. Every arm trains ``tokens`` tokens: ``steps =
+tokens / (workers * batch_size * seq_len)``.
+
+A claim compares its ``method`` with its ``reference`` by the final test loss (mean ±
+sample std over the seeds) and, where the paper says so, by the bytes each worker sent
+(exact, the same every seed)::
+
+    d = loss_method - (1 + within) * loss_reference,   s = sqrt(s_m^2 + (1 + within)^2 s_r^2)
+
+    holds          d + s <= 0  (and the bytes are at least ``fewer_bytes`` times fewer)
+    does not hold  d - s > 0   (or the bytes are not)
+    inconclusive   otherwise: the intervals overlap
+
+``within = 0`` reads "a lower loss", ``0.01`` "within 1%" (or "no worse", as shoal reads
+it: within 1%), ``0.03`` "within a few percent".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.experiments import algorithms
+from shoal.experiments.config import Config, ConfigError
+from shoal.experiments.reports.files import json_line
+from shoal.experiments.reports.seeds import Spread, spread
+from shoal.experiments.runner.backends import SimBackend
+from shoal.experiments.runner.sweep import tune
+from shoal.experiments.runner.train import train
+from shoal.experiments.tasks import make_task
+
+VERDICTS = ("holds", "does not hold", "inconclusive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One run of a claim: ``algorithm`` (a registry entry, brackets allowed) on
+    ``workers`` simulated workers, named ``label`` in the table."""
+
+    label: str
+    algorithm: str
+    workers: int
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.workers, self.algorithm
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A paper's claim: ``method`` against ``reference`` (module docstring).
+
+    Attributes:
+      name: a short name ("DiLoCo, M = 8").
+      paper: where it is stated ("arXiv 2311.08105, Table 2").
+      statement: the claim in the paper's words, as tested here.
+      method, reference: the two runs compared.
+      within: how much higher (relative) the method's loss may be; 0: lower.
+      fewer_bytes: the method's bytes per worker at least this many times fewer than the
+        reference's (None: bytes not claimed).
+      peak: compare the largest step's bytes (Streaming DiLoCo's peak bandwidth), not
+        the run's.
+    """
+
+    name: str
+    paper: str
+    statement: str
+    method: Arm
+    reference: Arm
+    within: float = 0.0
+    fewer_bytes: float | None = None
+    peak: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Reproduction:
+    """Claims measured on ``config``'s task, every arm ``tokens`` tokens, over ``seeds``,
+    every arm's main learning rate tuned first over ``sweep`` (factors of its own) on
+    ``sweep_fraction`` of its steps (no grid: no tuning)."""
+
+    config: Config
+    claims: tuple[Claim, ...]
+    tokens: int
+    seeds: tuple[int, ...] = (0, 1, 2)
+    sweep: tuple[str, ...] = ("x0.5", "x1", "x2")
+    sweep_fraction: float = 0.5
+    evals: int = 4
+    description: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "claims", tuple(self.claims))
+        object.__setattr__(self, "seeds", tuple(self.seeds))
+        object.__setattr__(self, "sweep", tuple(self.sweep))
+        if not self.claims:
+            raise ConfigError("a reproduction needs at least one claim")
+        if not self.seeds or len(set(self.seeds)) < len(self.seeds):
+            raise ConfigError(f"a reproduction's seeds must be distinct, got {self.seeds}")
+        if self.tokens < 1 or self.evals < 1:
+            raise ConfigError("a reproduction's tokens and evals must be ints >= 1")
+
+    def arms(self) -> list[Arm]:
+        """Every distinct ``(workers, algorithm)``, in claim order."""
+        seen: dict[tuple[int, str], Arm] = {}
+        for c in self.claims:
+            for arm in (c.method, c.reference):
+                seen.setdefault(arm.key, arm)
+        return list(seen.values())
+
+    def arm_config(self, arm: Arm) -> Config:
+        """The config of one arm: its workers, the steps that make ``tokens``."""
+        cfg = self.config
+        per_step = arm.workers * cfg.batch_size * cfg.seq_len
+        if self.tokens % per_step:
+            raise ConfigError(
+                f"{arm.label}: tokens = {self.tokens} is not a multiple of workers * "
+                f"batch_size * seq_len = {per_step}"
+            )
+        steps = self.tokens // per_step
+        run = dataclasses.replace(cfg, workers=arm.workers, steps=steps,
+                                  algorithms=(arm.algorithm,),
+                                  eval_every=max(1, steps // self.evals))  # fmt: skip
+        algorithms.resolve(arm.algorithm, run)  # its own checks (steps a multiple of H, ...)
+        return run
+
+
+def judge(method: Spread, reference: Spread, within: float, bytes_ok: bool = True) -> str:
+    """The verdict of the module docstring's rule."""
+    scale = 1.0 + within
+    d = method.mean - scale * reference.mean
+    s = math.hypot(method.std or 0.0, scale * (reference.std or 0.0))
+    if not bytes_ok or d - s > 0:
+        return "does not hold"
+    return "holds" if d + s <= 0 else "inconclusive"
+
+
+def run_reproduction(rep: Reproduction, out: Path, *, command: str,
+                     progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+    """Tune and train every arm of ``rep`` and write ``out``: ``reproduce.md`` (the
+    table), ``claims.png`` (every claim's test loss against tokens), ``results.jsonl`` (a
+    summary per arm and seed), ``metrics.jsonl`` (every step). Returns the table's rows."""
+    start = time.perf_counter()
+    configs = {arm.key: rep.arm_config(arm) for arm in rep.arms()}  # all checked first
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    tuned: dict[tuple[int, str], dict[str, Any]] = {}
+    records: list[dict[str, Any]] = []
+    for arm in rep.arms():
+        cfg = configs[arm.key].seeded(rep.seeds[0])
+        backend = SimBackend(arm.workers)
+        entry = algorithms.resolve(arm.algorithm, cfg)
+        label = arm.algorithm
+        if rep.sweep:
+            labels, rows, _ = tune(cfg, [entry], backend, key="learning_rate",
+                                   values=rep.sweep, fraction=rep.sweep_fraction,
+                                   progress=progress)  # fmt: skip
+            label, tuned[arm.key] = labels[0], rows[0]
+        for seed in rep.seeds:
+            run_cfg = dataclasses.replace(configs[arm.key], algorithms=(label,)).seeded(seed)
+            result = train(run_cfg, make_task(run_cfg), backend,
+                           algorithms.resolve(label, run_cfg), progress=progress)  # fmt: skip
+            summary = {"arm": arm.label, "workers": arm.workers, **result.summary}
+            runs.setdefault(arm.key, []).append(summary)
+            records += [{"arm": arm.label, "workers": arm.workers, **r} for r in result.records]
+            print(f"{arm.label} ({label}), seed {seed}: test loss {summary['test_loss']:.4f}, "
+                  f"{summary['mb_sent']:.3f} MB sent/worker", flush=True)  # fmt: skip
+    rows = [_row(c, runs) for c in rep.claims]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as f:
+        for summaries in runs.values():
+            for s in summaries:
+                f.write(json_line(s))
+    with open(out / "metrics.jsonl", "w") as f:
+        for r in records:
+            f.write(json_line(r))
+    text = markdown(rep, rows, tuned, command=command, wall_s=time.perf_counter() - start)
+    (out / "reproduce.md").write_text(text)
+    plot_claims(out / "claims.png", rep, records)
+    return rows
+
+
+def plot_claims(path: Path, rep: Reproduction, records: list[dict[str, Any]]) -> None:
+    """One panel per claim: the method's and the reference's test loss against the tokens
+    seen, the mean over the seeds and their range."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    cols = min(4, len(rep.claims))
+    rows = -(-len(rep.claims) // cols)
+    fig = Figure(figsize=(4.2 * cols, 3.2 * rows), layout="constrained")
+    for i, claim in enumerate(rep.claims):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for arm, color in ((claim.reference, "tab:gray"), (claim.method, "tab:blue")):
+            seen: dict[int, list[float]] = {}
+            for r in records:
+                if r["arm"] == arm.label and r.get("test_loss") is not None:
+                    seen.setdefault(r["tokens"], []).append(r["test_loss"])
+            x = np.asarray(sorted(seen)) / 1e6
+            losses = [np.asarray(seen[t]) for t in sorted(seen)]
+            ax.plot(x, [v.mean() for v in losses], color=color, marker=".", label=arm.label)
+            ax.fill_between(x, [v.min() for v in losses], [v.max() for v in losses],
+                            color=color, alpha=0.2, linewidth=0)  # fmt: skip
+        ax.set_title(claim.name, fontsize=9)
+        ax.set_xlabel("M tokens", fontsize=8)
+        ax.set_ylabel("test loss (nats/byte)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110)
+
+
+def _row(claim: Claim, runs: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    m, r = runs[claim.method.key], runs[claim.reference.key]
+    loss_m, loss_r = spread([s["test_loss"] for s in m]), spread([s["test_loss"] for s in r])
+    key = "peak_kb_sent" if claim.peak else "mb_sent"
+    sent_m, sent_r = m[0][key], r[0][key]
+    ratio = sent_r / sent_m if sent_m else math.inf
+    ok = claim.fewer_bytes is None or ratio >= claim.fewer_bytes
+    return {"claim": claim.name, "paper": claim.paper, "statement": claim.statement,
+            "method": claim.method.label, "reference": claim.reference.label,
+            "loss_method": loss_m, "loss_reference": loss_r, "bytes_ratio": ratio,
+            "verdict": judge(loss_m, loss_r, claim.within, ok), "within": claim.within,
+            "fewer_bytes": claim.fewer_bytes, "peak": claim.peak}  # fmt: skip
+
+
+def _loss(s: Spread) -> str:
+    return f"{s.mean:.4f} ± {s.std or 0.0:.4f} (n = {s.n})"
+
+
+def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, command: str,
+             wall_s: float) -> str:  # fmt: skip
+    """``reproduce.md``: the table, how it was measured, and the tuning."""
+    cfg = rep.config
+    lines = [
+        "| claim | paper | method | reference | test loss (nats/byte): method vs reference "
+        "| bytes per worker, reference / method | verdict |",
+        "|---|---|---|---|---|---:|---|",
+    ]
+    for r in rows:
+        which = "peak step" if r["peak"] else "run"
+        need = f" (claimed >= {r['fewer_bytes']:g}x)" if r["fewer_bytes"] else ""
+        lines.append(
+            f"| {r['claim']} | {r['paper']} | {r['method']} | {r['reference']} | "
+            f"{_loss(r['loss_method'])} vs {_loss(r['loss_reference'])} | "
+            f"{r['bytes_ratio']:.3g}x {which}{need} | **{r['verdict']}** |"
+        )
+    statements = "\n".join(
+        f"- **{r['claim']}** ({r['paper']}): {r['statement']} Judged: the method's loss "
+        + (
+            "below the reference's"
+            if not r["within"]
+            else f"at most {r['within']:.0%} above the reference's"
+        )  # fmt: skip
+        + "."
+        for r in rows
+    )
+    tuning = "\n".join(
+        f"- {key[1]} on {key[0]} worker(s): {row['path']} = {row['value']} "
+        f"(validation loss "
+        + ", ".join(f"{v}: {row['losses'][v]:.4f}" for v in rep.sweep)
+        + ")"  # fmt: skip
+        for key, row in tuned.items()
+    )
+    about = f"{rep.description}\n\n" if rep.description else ""
+    seeds = ", ".join(map(str, rep.seeds))
+    return f"""# Does it reproduce? ({cfg.name})
+
+`{command}`: {len(rep.arms())} arms x {len(rep.seeds)} seeds, {wall_s:.0f} s.
+
+{about}Every arm trains {rep.tokens:,} tokens of the `{cfg.task}` task ({cfg.batch_size} \
+windows of {cfg.seq_len} tokens per worker and step) and is judged by its test loss at \
+the end, mean ± sample std over seeds {seeds}. A verdict is "holds" when the method's \
+interval clears the claimed bound, "does not hold" when it clearly misses it (or the \
+bytes miss theirs), "inconclusive" when they overlap (`shoal.experiments.runner.claims`). \
+Every claim's test loss against the tokens seen: `claims.png`.
+
+{chr(10).join(lines)}
+
+{statements}
+
+## Tuning
+
+Each arm's main learning rate, {", ".join(rep.sweep)} times its own, on \
+{rep.sweep_fraction:g} of its steps, judged by the loss on the validation files (never \
+the test files), seed {rep.seeds[0]}:
+
+{tuning or "- (no tuning)"}
+"""
