@@ -60,7 +60,8 @@ def test_every_arm_trains_the_tokens_and_bad_arms_are_named():
 
 def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
     config = tmp_path / "tiny.py"
-    config.write_text(textwrap.dedent("""
+    config.write_text(
+        textwrap.dedent("""
         from shoal.experiments.config import Config
         from shoal.experiments.runner.claims import Arm, Claim, Reproduction
 
@@ -75,7 +76,8 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
                       fewer_bytes=3.5),
                 Claim("Lower", "none", "Lower than DP.", local, dp),
             ], tokens=2 * 2 * 16 * 8, seeds=(0, 1), sweep=("x1", "x2"))
-    """))
+    """)
+    )
     out = tmp_path / "out"
     assert main([str(config), "--out", str(out), "--no-progress"]) == 0
     text = (out / "reproduce.md").read_text()
@@ -86,7 +88,10 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
     assert "(n = 2)" in rows[0] and "claimed >= 3.5x" in rows[0]
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted((r["arm"], r["seed"]) for r in results) == [
-        ("DP", 0), ("DP", 1), ("DiLoCo", 0), ("DiLoCo", 1)
+        ("DP", 0),
+        ("DP", 1),
+        ("DiLoCo", 0),
+        ("DiLoCo", 1),
     ]
     assert all(r["tokens_m"] == 2 * 2 * 16 * 8 / 1e6 for r in results)
     # DP all-reduces the gradient every step, DiLoCo the model every 4th: 4x the bytes,
@@ -107,3 +112,23 @@ def test_the_bundled_reproduction_resolves_every_arm():
     assert tokens == {rep.tokens}  # equal tokens for every arm
     papers = {c.paper for c in rep.claims}
     assert len(papers) >= 8 and len(rep.claims) >= 14
+
+
+def test_a_claim_row_from_summaries():
+    """Bytes: the reference's over the method's (run or peak step); none where neither
+    sends (one worker), and a claimed ratio that is missed never holds."""
+    from shoal.experiments.runner.claims import _row
+
+    one, other = Arm("A", "a", 1), Arm("B", "b", 1)
+    runs = {one.key: [{"test_loss": 1.0, "mb_sent": 0.0, "peak_kb_sent": 0.0}] * 2,
+            other.key: [{"test_loss": 2.0, "mb_sent": 0.0, "peak_kb_sent": 0.0}] * 2}  # fmt: skip
+    row = _row(Claim("c", "p", "s", one, other), runs)
+    assert row["bytes_ratio"] is None and row["verdict"] == "holds"
+    assert _row(Claim("c", "p", "s", one, other, fewer_bytes=2), runs)["verdict"] == (
+        "does not hold"
+    )
+    runs[one.key] = [{"test_loss": 1.0, "mb_sent": 1.0, "peak_kb_sent": 5.0}] * 2
+    runs[other.key] = [{"test_loss": 2.0, "mb_sent": 8.0, "peak_kb_sent": 10.0}] * 2
+    assert _row(Claim("c", "p", "s", one, other, fewer_bytes=8), runs)["bytes_ratio"] == 8
+    peak = _row(Claim("c", "p", "s", one, other, fewer_bytes=3, peak=True), runs)
+    assert peak["bytes_ratio"] == 2 and peak["verdict"] == "does not hold"

@@ -59,7 +59,8 @@ def claims() -> list[Claim]:
             out.append(Claim(
                 f"DiLoCo, M = {workers}, H = {h}", "arXiv 2311.08105",
                 f"{workers} workers synchronising every {h} steps come within a few percent "
-                f"of data parallel with a {workers}x larger batch, with about {h}x fewer bytes.",
+                f"of data parallel with an M-times ({workers}x) larger batch, with about {h}x "
+                "fewer bytes.",
                 diloco(workers, h), dp(workers), within=0.03, fewer_bytes=0.9 * h,
             ))  # fmt: skip
     streaming = Arm("Streaming DiLoCo, F = 4", f"streaming_diloco[sync_every={H};fragments=4]", M)

@@ -221,8 +221,9 @@ def _row(claim: Claim, runs: dict[tuple[int, str], list[dict[str, Any]]]) -> dic
     loss_m, loss_r = spread([s["test_loss"] for s in m]), spread([s["test_loss"] for s in r])
     key = "peak_kb_sent" if claim.peak else "mb_sent"
     sent_m, sent_r = m[0][key], r[0][key]
-    ratio = sent_r / sent_m if sent_m else math.inf
-    ok = claim.fewer_bytes is None or ratio >= claim.fewer_bytes
+    # None where neither sends (one worker): no ratio to claim or show.
+    ratio = None if not (sent_m or sent_r) else sent_r / sent_m if sent_m else math.inf
+    ok = claim.fewer_bytes is None or (ratio is not None and ratio >= claim.fewer_bytes)
     return {"claim": claim.name, "paper": claim.paper, "statement": claim.statement,
             "method": claim.method.label, "reference": claim.reference.label,
             "loss_method": loss_m, "loss_reference": loss_r, "bytes_ratio": ratio,
@@ -246,10 +247,11 @@ def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, comm
     for r in rows:
         which = "peak step" if r["peak"] else "run"
         need = f" (claimed >= {r['fewer_bytes']:g}x)" if r["fewer_bytes"] else ""
+        ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3g}x {which}{need}"
         lines.append(
             f"| {r['claim']} | {r['paper']} | {r['method']} | {r['reference']} | "
             f"{_loss(r['loss_method'])} vs {_loss(r['loss_reference'])} | "
-            f"{r['bytes_ratio']:.3g}x {which}{need} | **{r['verdict']}** |"
+            f"{ratio} | **{r['verdict']}** |"
         )
     statements = "\n".join(
         f"- **{r['claim']}** ({r['paper']}): {r['statement']} Judged: the method's loss "
@@ -269,6 +271,14 @@ def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, comm
         for key, row in tuned.items()
     )
     about = f"{rep.description}\n\n" if rep.description else ""
+    if rep.sweep:
+        tuning_text = (
+            f"Each arm's main learning rate, {', '.join(rep.sweep)} times its own, on "
+            f"{rep.sweep_fraction:g} of its steps, judged by the loss on the validation files "
+            f"(never the test files), seed {rep.seeds[0]}:\n\n{tuning}"
+        )
+    else:
+        tuning_text = "None: every arm trained with its configured learning rates."
     seeds = ", ".join(map(str, rep.seeds))
     return f"""# Does it reproduce? ({cfg.name})
 
@@ -287,9 +297,5 @@ Every claim's test loss against the tokens seen: `claims.png`.
 
 ## Tuning
 
-Each arm's main learning rate, {", ".join(rep.sweep)} times its own, on \
-{rep.sweep_fraction:g} of its steps, judged by the loss on the validation files (never \
-the test files), seed {rep.seeds[0]}:
-
-{tuning or "- (no tuning)"}
+{tuning_text}
 """
