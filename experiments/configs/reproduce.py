@@ -30,9 +30,9 @@ from shoal.experiments.config import Config
 from shoal.experiments.runner.claims import Arm, Claim, Reproduction
 
 # The transformer and its data; every arm trains TOKENS tokens.
-MODEL = dict(lm_width=128, lm_layers=4, lm_heads=4, seq_len=64)
+MODEL = dict(lm_width=64, lm_layers=4, lm_heads=4, seq_len=32)  # 0.22M parameters
 BATCH = 4  # windows per worker and step
-TOKENS = 8 * BATCH * 64 * 500  # 500 steps at 8 workers, 4000 at 1
+TOKENS = 8 * BATCH * 32 * 400  # 400 steps at 8 workers, 800 at 4, 3200 at 1
 M = 8  # workers of the claims that do not vary it
 H = 50  # the DiLoCo family's round, where a claim does not vary it
 ADAMW = {"learning_rate": 3e-3, "schedule": {"kind": "cosine", "warmup_steps": 20},
@@ -110,6 +110,8 @@ def get_config() -> Reproduction:
             test_size=256,
             validation_size=256,
             project_workers=0,
+            scan_steps=10,
+            in_turn=True,
             algorithms=("ssgd_adamw",),
             **MODEL,
             params={
