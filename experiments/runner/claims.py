@@ -32,7 +32,7 @@ from typing import Any
 
 from shoal.experiments import algorithms
 from shoal.experiments.config import Config, ConfigError
-from shoal.experiments.reports.files import json_line
+from shoal.experiments.reports.files import write_jsonl
 from shoal.experiments.reports.seeds import Spread, spread
 from shoal.experiments.runner.backends import SimBackend
 from shoal.experiments.runner.sweep import tune
@@ -174,13 +174,8 @@ def run_reproduction(rep: Reproduction, out: Path, *, command: str,
                   f"{summary['mb_sent']:.3f} MB sent/worker", flush=True)  # fmt: skip
     rows = [_row(c, runs) for c in rep.claims]
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        for summaries in runs.values():
-            for s in summaries:
-                f.write(json_line(s))
-    with open(out / "metrics.jsonl", "w") as f:
-        for r in records:
-            f.write(json_line(r))
+    write_jsonl(out / "results.jsonl", [s for summaries in runs.values() for s in summaries])
+    write_jsonl(out / "metrics.jsonl", records)
     text = markdown(rep, rows, tuned, command=command, wall_s=time.perf_counter() - start)
     (out / "reproduce.md").write_text(text)
     plot_claims(out / "claims.png", rep, records)

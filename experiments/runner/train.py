@@ -377,9 +377,9 @@ class _Run:
         return self.step_fn(self.params, self.opt_state, *batch)
 
     def skipped(self) -> int:
-        """Steps skipped so far (`turns_run.skipped`): the algorithm's counter lags by as
-        many."""
-        return int(turns_run.skipped(self.opt_state))
+        """Steps skipped so far, from the last record (its ``skipped`` readout, shown once
+        a step was skipped; no device read): the algorithm's counter lags by as many."""
+        return int(self.records[-1].get("skipped", 0)) if self.records else 0
 
     def replay(self, first: int, last: int) -> list[Any]:
         """Steps ``first`` to ``last`` again, a program of one step each (`run_steps`)."""
