@@ -9,6 +9,7 @@ import json
 import textwrap
 
 import harness
+import numpy as np
 import pytest
 
 from shoal.experiments.config import Config, ConfigError
@@ -104,14 +105,21 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
     assert "drop --workers" in capsys.readouterr().err
 
 
-def test_the_bundled_reproduction_resolves_every_arm():
-    rep = load_argument("reproduce")
+@pytest.mark.parametrize("name", ["reproduce", "reproduce_causes"])
+def test_the_bundled_reproductions_resolve_every_arm(name):
+    rep = load_argument(name)
     assert isinstance(rep, Reproduction) and len(rep.seeds) >= 3
     tokens = {rep.arm_config(a).steps * a.workers * rep.config.batch_size * rep.config.seq_len
               for a in rep.arms()}  # fmt: skip
     assert tokens == {rep.tokens}  # equal tokens for every arm
-    papers = {c.paper for c in rep.claims}
-    assert len(papers) >= 8 and len(rep.claims) >= 14
+    if name == "reproduce":
+        papers = {c.paper for c in rep.claims}
+        assert len(papers) >= 8 and len(rep.claims) >= 14
+        assert {a.tuned_as for a in rep.arms()} >= {"DiLoCo, M = 8, H = 50"}
+    else:  # the inner batch 4x reproduce's, the steps and rounds the same
+        base = load_argument("reproduce")
+        assert rep.config.batch_size == 4 * base.config.batch_size
+        assert [rep.arm_config(a).steps for a in rep.arms()] == [400, 400]
 
 
 def test_a_claim_row_from_summaries():
@@ -132,3 +140,84 @@ def test_a_claim_row_from_summaries():
     assert _row(Claim("c", "p", "s", one, other, fewer_bytes=8), runs)["bytes_ratio"] == 8
     peak = _row(Claim("c", "p", "s", one, other, fewer_bytes=3, peak=True), runs)
     assert peak["bytes_ratio"] == 2 and peak["verdict"] == "does not hold"
+
+
+def test_grids_after_the_rate_shared_tunings_and_a_resumed_reproduction(tmp_path, monkeypatch):
+    """``tune_also`` tunes DiLoCo's outer momentum after its rate (S-SGD has none, so
+    it is skipped there); an arm ``tuned_as`` another trains with that one's values; a
+    resumed reproduction reads every saved run and trains only what the config adds."""
+    from shoal.experiments.runner import claims
+    from shoal.experiments.runner import train as train_module
+
+    h8 = Arm("DiLoCo H = 8", "diloco[sync_every=8]", 2, tuned_as=LOCAL.label)
+    rep = Reproduction(BASE, [Claim("c", "p", "s", LOCAL, DP), Claim("d", "p", "s", h8, DP)],
+                       tokens=2 * 2 * 16 * 8, seeds=(0,), sweep=("x1", "x2"),
+                       tune_also=[("outer.momentum", ("0.5", "0.9"))])  # fmt: skip
+    trained = []
+    real_train = claims.train
+    counted = lambda cfg, *a, **k: trained.append((cfg.algorithms[0], cfg.seed)) or real_train(
+        cfg, *a, **k)  # fmt: skip
+    monkeypatch.setattr(claims, "train", counted)
+    monkeypatch.setattr(train_module, "train", counted)  # the sweep's
+    out = tmp_path / "out"
+    rows = claims.run_reproduction(rep, out, command="test", progress=False)
+    text = (out / "reproduce.md").read_text()
+    assert "then outer.momentum over 0.5, 0.9" in text
+    assert "diloco[sync_every=4] on 2 worker(s): outer.momentum = " in text
+    assert "- DiLoCo H = 8: as DiLoCo H = 4" in text
+    # 2 rates x 2 tuned arms, 2 momenta for DiLoCo, then one seed each of 3 arms.
+    assert len(trained) == 2 * 2 + 2 + 3
+    local = [a for a, _ in trained if a.startswith("diloco[sync_every=4")][-1]  # its run
+    assert "outer.momentum=" in local and "inner.adamw.learning_rate=" in local
+    h8_runs = [a for a, _ in trained if a.startswith("diloco[sync_every=8")]
+    assert h8_runs == [local.replace("sync_every=4", "sync_every=8")]  # H = 4's values
+    assert len(list((out / "arms").glob("*/*.json"))) == 2 + 3  # 2 tunings, 3 runs
+
+    trained.clear()
+    again = claims.run_reproduction(rep, out, command="test", progress=False, resume=True)
+    assert trained == [] and [r["verdict"] for r in again] == [r["verdict"] for r in rows]
+    more = Reproduction(**{**rep.__dict__, "seeds": (0, 1)})
+    claims.run_reproduction(more, out, command="test", progress=False, resume=True)
+    assert sorted(s for _, s in trained) == [1, 1, 1]  # seed 0 read, seed 1 trained
+    trained.clear()
+    claims.run_reproduction(more, out, command="test", progress=False)  # not resumed
+    assert len(trained) == 2 * 2 + 2 + 6
+
+
+def test_bad_tuning_grids_and_shared_tunings_are_named():
+    with pytest.raises(ConfigError, match="tune_also grid 'learning_rate'"):
+        Reproduction(BASE, [Claim("c", "p", "s", LOCAL, DP)], tokens=64,
+                     tune_also=[("learning_rate", ("x1",))])  # fmt: skip
+    with pytest.raises(ConfigError, match="tune_also grid 'outer.momentum'"):
+        Reproduction(BASE, [Claim("c", "p", "s", LOCAL, DP)], tokens=64,
+                     tune_also=[("outer.momentum", ("0.5", "0.5"))])  # fmt: skip
+    lost = Arm("lost", "diloco[sync_every=8]", 2, tuned_as="nobody")
+    with pytest.raises(ConfigError, match="no arm 'nobody'"):
+        Reproduction(BASE, [Claim("c", "p", "s", lost, DP)], tokens=64)
+    first = Arm("first", "diloco[sync_every=8]", 2, tuned_as=LOCAL.label)
+    second = Arm("second", "diloco[sync_every=2]", 2, tuned_as="first")
+    with pytest.raises(ConfigError, match="second: tuned_as 'first', which is itself"):
+        Reproduction(BASE, [Claim("c", "p", "s", LOCAL, first),
+                            Claim("d", "p", "s", second, DP)], tokens=64)  # fmt: skip
+
+
+def test_diloco_with_one_replica_and_plain_outer_steps_is_adamw():
+    """The outer step checked on its own: with M = 1 and ``outer = sgd(1.0)`` DiLoCo's
+    global model is its one worker's, so it trains as AdamW data parallel does, record
+    for record; the paper's Nesterov step (0.7, 0.9) is what makes it differ."""
+    from shoal.experiments import algorithms
+    from shoal.experiments.runner.backends import SimBackend
+    from shoal.experiments.runner.train import train
+    from shoal.experiments.tasks import make_task
+
+    cfg = Config(**{**BASE.__dict__, "workers": 1, "steps": 12, "eval_every": 4})
+    losses = {}
+    for alg in ("ssgd_adamw", "diloco[sync_every=4;outer.learning_rate=1.0;outer.momentum=0]",
+                "diloco[sync_every=4]"):  # fmt: skip
+        result = train(cfg, make_task(cfg), SimBackend(1), algorithms.resolve(alg, cfg),
+                       progress=False)  # fmt: skip
+        losses[alg] = [r["test_loss"] for r in result.records if r.get("test_loss") is not None]
+    dp, plain, nesterov = losses.values()
+    assert len(dp) == 3
+    np.testing.assert_allclose(plain, dp, rtol=1e-5)
+    assert abs(nesterov[-1] - dp[-1]) > 1e-3

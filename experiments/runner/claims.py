@@ -5,8 +5,13 @@ A config file whose ``get_config()`` returns a `Reproduction` makes ``shoal-run`
 every `Arm` of every `Claim` (each distinct ``(workers, algorithm)`` once), every arm's
 main learning rate first tuned on the validation split (`shoal.experiments.runner.sweep.
 tune`: a grid of factors on a fraction of the run, judged by validation loss, never on
-the test set), then trained once per seed. Every arm trains ``tokens`` tokens: ``steps =
-tokens / (workers * batch_size * seq_len)``.
+the test set), then any further grids (``tune_also``, e.g. DiLoCo's outer momentum) in
+turn for the arms that have them, then trained once per seed. Every arm trains
+``tokens`` tokens: ``steps = tokens / (workers * batch_size * seq_len)``.
+
+Every tuning and every run is written to ``out/arms/`` as it ends; ``shoal-run ...
+--resume`` continues a stopped reproduction from them (those of a different config are
+redone).
 
 A claim compares its ``method`` with its ``reference`` by the final test loss (mean ±
 sample std over the seeds) and, where the paper says so, by the bytes each worker sent
@@ -25,7 +30,9 @@ it: within 1%), ``0.03`` "within a few percent".
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +42,7 @@ from shoal.experiments.config import Config, ConfigError
 from shoal.experiments.reports.files import write_jsonl
 from shoal.experiments.reports.seeds import Spread, spread
 from shoal.experiments.runner.backends import SimBackend
-from shoal.experiments.runner.sweep import tune
+from shoal.experiments.runner.sweep import MAIN_RATE, swept_path, tune, with_value
 from shoal.experiments.runner.train import train
 from shoal.experiments.tasks import make_task
 
@@ -45,11 +52,15 @@ VERDICTS = ("holds", "does not hold", "inconclusive")
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One run of a claim: ``algorithm`` (a registry entry, brackets allowed) on
-    ``workers`` simulated workers, named ``label`` in the table."""
+    ``workers`` simulated workers, named ``label`` in the table. With ``tuned_as`` (the
+    label of another arm of the reproduction) it takes that arm's tuned values instead of
+    tuning its own: DiLoCo at H = 10 and 100 as at H = 50, which saves a third of the
+    tuning runs."""
 
     label: str
     algorithm: str
     workers: int
+    tuned_as: str = ""
 
     @property
     def key(self) -> tuple[int, str]:
@@ -86,13 +97,16 @@ class Claim:
 class Reproduction:
     """Claims measured on ``config``'s task, every arm ``tokens`` tokens, over ``seeds``,
     every arm's main learning rate tuned first over ``sweep`` (factors of its own) on
-    ``sweep_fraction`` of its steps (no grid: no tuning)."""
+    ``sweep_fraction`` of its steps (no grid: no tuning), then each ``(path, values)`` of
+    ``tune_also`` in turn, from the values chosen before, for the arms that have ``path``
+    (``("outer.momentum", ("0.5", "0.9"))``)."""
 
     config: Config
     claims: tuple[Claim, ...]
     tokens: int
     seeds: tuple[int, ...] = (0, 1, 2)
     sweep: tuple[str, ...] = ("x0.5", "x1", "x2")
+    tune_also: tuple[tuple[str, tuple[str, ...]], ...] = ()
     sweep_fraction: float = 0.5
     evals: int = 4
     description: str = ""
@@ -101,12 +115,24 @@ class Reproduction:
         object.__setattr__(self, "claims", tuple(self.claims))
         object.__setattr__(self, "seeds", tuple(self.seeds))
         object.__setattr__(self, "sweep", tuple(self.sweep))
+        object.__setattr__(self, "tune_also",
+                           tuple((k, tuple(v)) for k, v in self.tune_also))  # fmt: skip
+        for key, values in self.tune_also:
+            if key == MAIN_RATE or not values or len(set(values)) < len(values):
+                raise ConfigError(
+                    f"a reproduction's tune_also grid {key!r}: a dotted path other than "
+                    f"{MAIN_RATE!r} (the sweep's) with distinct values, got {values}"
+                )
         if not self.claims:
             raise ConfigError("a reproduction needs at least one claim")
         if not self.seeds or len(set(self.seeds)) < len(self.seeds):
             raise ConfigError(f"a reproduction's seeds must be distinct, got {self.seeds}")
         if self.tokens < 1 or self.evals < 1:
             raise ConfigError("a reproduction's tokens and evals must be ints >= 1")
+        for arm in self.arms():
+            if arm.tuned_as and self.arm(arm.tuned_as).tuned_as:
+                raise ConfigError(f"{arm.label}: tuned_as {arm.tuned_as!r}, which is itself "
+                                  "tuned as another arm: name that one")  # fmt: skip
 
     def arms(self) -> list[Arm]:
         """Every distinct ``(workers, algorithm)``, in claim order."""
@@ -115,6 +141,13 @@ class Reproduction:
             for arm in (c.method, c.reference):
                 seen.setdefault(arm.key, arm)
         return list(seen.values())
+
+    def arm(self, label: str) -> Arm:
+        """The arm named ``label``."""
+        found = [a for a in self.arms() if a.label == label]
+        if not found:
+            raise ConfigError(f"a reproduction has no arm {label!r} (tuned_as names one)")
+        return found[0]
 
     def arm_config(self, arm: Arm) -> Config:
         """The config of one arm: its workers, the steps that make ``tokens``."""
@@ -143,33 +176,56 @@ def judge(method: Spread, reference: Spread, within: float, bytes_ok: bool = Tru
     return "holds" if d + s <= 0 else "inconclusive"
 
 
-def run_reproduction(rep: Reproduction, out: Path, *, command: str,
-                     progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+def run_reproduction(rep: Reproduction, out: Path, *, command: str, progress: bool = True,
+                     resume: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Tune and train every arm of ``rep`` and write ``out``: ``reproduce.md`` (the
     table), ``claims.png`` (every claim's test loss against tokens), ``results.jsonl`` (a
-    summary per arm and seed), ``metrics.jsonl`` (every step). Returns the table's rows."""
+    summary per arm and seed), ``metrics.jsonl`` (every step), and ``arms/`` (each
+    tuning and run as it ends). With ``resume``, what ``arms/`` already holds for the
+    same config is read instead of trained again. Returns the table's rows."""
     start = time.perf_counter()
     configs = {arm.key: rep.arm_config(arm) for arm in rep.arms()}  # all checked first
+    saved = _Saved(out / "arms", resume)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    tuned: dict[tuple[int, str], dict[str, Any]] = {}
+    tuned: dict[tuple[int, str], list[dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
+
+    done: dict[str, list[dict[str, Any]]] = {}
+
+    def tuning(arm: Arm) -> list[dict[str, Any]]:
+        """The rows of ``arm``'s tuning: done before, read, or tuned now and saved."""
+        if arm.label not in done:
+            cfg = configs[arm.key].seeded(rep.seeds[0])
+            stamp = repr((cfg, rep.sweep, rep.tune_also, rep.sweep_fraction))
+            found = saved.read(arm, "tuning", stamp)
+            if found is None:
+                found = {"rows": _tune(rep, arm.algorithm, cfg, SimBackend(arm.workers),
+                                       progress)}  # fmt: skip
+                saved.write(arm, "tuning", stamp, found)
+            done[arm.label] = found["rows"]
+        return done[arm.label]
+
     for arm in rep.arms():
-        cfg = configs[arm.key].seeded(rep.seeds[0])
         backend = SimBackend(arm.workers)
-        entry = algorithms.resolve(arm.algorithm, cfg)
+        rows = tuning(rep.arm(arm.tuned_as) if arm.tuned_as else arm)
         label = arm.algorithm
-        if rep.sweep:
-            labels, rows, _ = tune(cfg, [entry], backend, key="learning_rate",
-                                   values=rep.sweep, fraction=rep.sweep_fraction,
-                                   progress=progress)  # fmt: skip
-            label, tuned[arm.key] = labels[0], rows[0]
+        for row in rows:  # the values chosen, set in this arm's brackets
+            label = with_value(label, row["path"], row["value"])
+        if rows and not arm.tuned_as:
+            tuned[arm.key] = rows
         for seed in rep.seeds:
             run_cfg = dataclasses.replace(configs[arm.key], algorithms=(label,)).seeded(seed)
-            result = train(run_cfg, make_task(run_cfg), backend,
-                           algorithms.resolve(label, run_cfg), progress=progress)  # fmt: skip
-            summary = {"arm": arm.label, "workers": arm.workers, **result.summary}
+            found = saved.read(arm, f"seed{seed}", repr(run_cfg))
+            if found is None:
+                result = train(run_cfg, make_task(run_cfg), backend,
+                               algorithms.resolve(label, run_cfg), progress=progress)  # fmt: skip
+                found = {"summary": {"arm": arm.label, "workers": arm.workers, **result.summary},
+                         "records": [{"arm": arm.label, "workers": arm.workers, **r}
+                                     for r in result.records]}  # fmt: skip
+                saved.write(arm, f"seed{seed}", repr(run_cfg), found)
+            summary = found["summary"]
             runs.setdefault(arm.key, []).append(summary)
-            records += [{"arm": arm.label, "workers": arm.workers, **r} for r in result.records]
+            records += found["records"]
             print(f"{arm.label} ({label}), seed {seed}: test loss {summary['test_loss']:.4f}, "
                   f"{summary['mb_sent']:.3f} MB sent/worker", flush=True)  # fmt: skip
     rows = [_row(c, runs) for c in rep.claims]
@@ -180,6 +236,54 @@ def run_reproduction(rep: Reproduction, out: Path, *, command: str,
     (out / "reproduce.md").write_text(text)
     plot_claims(out / "claims.png", rep, records)
     return rows
+
+
+def _tune(rep: Reproduction, algorithm: str, cfg: Config, backend: SimBackend,
+          progress: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per grid of ``rep`` that the arm has (the main rate's, then
+    ``tune_also``'s), each tuned from the values chosen before it."""
+    label, rows = algorithm, []
+    grids = ([(MAIN_RATE, rep.sweep)] if rep.sweep else []) + list(rep.tune_also)
+    for key, values in grids:
+        entry = algorithms.resolve(label, cfg)
+        if key != MAIN_RATE:
+            try:
+                swept_path(entry, key)
+            except ConfigError:  # not this arm's knob (an outer momentum of S-SGD)
+                continue
+        labels, found, _ = tune(cfg, [entry], backend, key=key, values=values,
+                                fraction=rep.sweep_fraction, progress=progress)  # fmt: skip
+        label = labels[0]
+        rows.append({**found[0], "grid": list(values)})
+    return rows
+
+
+class _Saved:
+    """``arms/<workers>-<algorithm>/<what>.json``: one tuning or run of an arm, with the
+    config it was made with (``stamp``), so that a resumed reproduction reads only what
+    the same config made."""
+
+    def __init__(self, folder: Path, resume: bool):
+        self.folder, self.resume = folder, resume
+
+    def path(self, arm: Arm, what: str) -> Path:
+        name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{arm.workers}-{arm.algorithm}")
+        return self.folder / name / f"{what}.json"
+
+    def read(self, arm: Arm, what: str, stamp: str) -> dict[str, Any] | None:
+        path = self.path(arm, what)
+        if not (self.resume and path.is_file()):
+            return None
+        saved = json.loads(path.read_text())
+        return saved["data"] if saved.get("stamp") == stamp else None
+
+    def write(self, arm: Arm, what: str, stamp: str, data: dict[str, Any]) -> None:
+        path = self.path(arm, what)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")  # a stop mid-write leaves no half file behind
+        # Python's JSON, NaN and all (a diverged run's loss reads back as it was).
+        tmp.write_text(json.dumps({"stamp": stamp, "data": data}, default=float))
+        tmp.replace(path)
 
 
 def plot_claims(path: Path, rep: Reproduction, records: list[dict[str, Any]]) -> None:
@@ -258,19 +362,22 @@ def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, comm
         + "."
         for r in rows
     )
+    shared = {a.label: a.tuned_as for a in rep.arms() if a.tuned_as}
     tuning = "\n".join(
         f"- {key[1]} on {key[0]} worker(s): {row['path']} = {row['value']} "
         f"(validation loss "
-        + ", ".join(f"{v}: {row['losses'][v]:.4f}" for v in rep.sweep)
+        + ", ".join(f"{v}: {row['losses'][v]:.4f}" for v in row.get("grid", rep.sweep))
         + ")"  # fmt: skip
-        for key, row in tuned.items()
-    )
+        for key, rows in tuned.items()
+        for row in rows
+    ) + "".join(f"\n- {label}: as {other}" for label, other in shared.items())
     about = f"{rep.description}\n\n" if rep.description else ""
     if rep.sweep:
         tuning_text = (
-            f"Each arm's main learning rate, {', '.join(rep.sweep)} times its own, on "
-            f"{rep.sweep_fraction:g} of its steps, judged by the loss on the validation files "
-            f"(never the test files), seed {rep.seeds[0]}:\n\n{tuning}"
+            f"Each arm's main learning rate, {', '.join(rep.sweep)} times its own"
+            + "".join(f", then {k} over {', '.join(v)}" for k, v in rep.tune_also)
+            + f", on {rep.sweep_fraction:g} of its steps, judged by the loss on the "
+            f"validation files (never the test files), seed {rep.seeds[0]}:\n\n{tuning}"
         )
     else:
         tuning_text = "None: every arm trained with its configured learning rates."

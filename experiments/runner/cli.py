@@ -165,11 +165,12 @@ def _main_reproduction(args, rep: Reproduction, command: str) -> int:
     print(f"{rep.config.name}: {len(rep.claims)} claims, {len(arms)} arms x "
           f"{len(rep.seeds)} seeds (sim)")  # fmt: skip
     out = args.out or Path("runs") / rep.config.name
-    with _claimed(out, args.overwrite, can_resume=False) as problem:
+    with _claimed(out, args.overwrite, args.resume) as problem:
         if problem:
             return _error(problem, 2)
         try:
-            run_reproduction(rep, out, command=command, progress=not args.no_progress)
+            run_reproduction(rep, out, command=command, progress=not args.no_progress,
+                             resume=args.resume)  # fmt: skip
         except OSError as e:
             return _write_error(out, e)
     print((out / "reproduce.md").read_text())
