@@ -16,11 +16,13 @@ TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
 .PHONY: run test test-sim test-nb test-sim-nb test-mpi test-gpu-rehearse gpu-check notebooks bench \
-	bench-cluster study reproduce reproduce-causes lint wheel-check clean venv
+	bench-cluster study reproduce reproduce-causes lint wheel-check clean venv docs \
+	test-docs
 
 venv: $(STAMP)
 
-# install.sh holds the README's "own project" commands; an empty pip cache is enough.
+# install.sh holds the README's "own project" commands; an empty pip cache is enough. The dev
+# extra includes the docs extra (make docs).
 $(STAMP): pyproject.toml Makefile install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -31,11 +33,15 @@ run: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8 --overwrite
 
 # The in-process tests and the notebooks share one pool of processes (the notebooks first:
-# the longest items start early), then the MPI tests.
-test: test-sim-nb test-mpi test-gpu-rehearse
+# the longest items start early), then the MPI tests, then the documentation site.
+test: test-sim-nb test-mpi test-gpu-rehearse test-docs
+
+# tests/test_docs.py runs in test-docs, on the site that `make docs` built, not here (it
+# would build the site a second time).
+NOT_HERE := --ignore=tests/test_docs.py
 
 test-sim: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile $(NOT_HERE) tests
 
 # The notebooks, executed top to bottom as a user runs them (one size each, chosen to run in
 # about a minute or less). The committed .ipynb only: their .py sources are not tests
@@ -46,7 +52,19 @@ test-nb: $(STAMP)
 	$(NB) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks/*.ipynb
 
 test-sim-nb: $(STAMP)
-	$(NB) $(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --nbmake notebooks/*.ipynb tests
+	$(NB) $(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --nbmake notebooks/*.ipynb \
+		$(NOT_HERE) tests
+
+# The documentation site (mkdocs.yml, docs/building_docs.md) in site/: --strict fails on
+# any warning, broken link or cross-reference mkdocstrings cannot resolve. The variables
+# silence the banners two installed packages print about MkDocs 2.0.
+DOCS_ENV := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true
+docs: $(STAMP)
+	$(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir site
+
+# The built site holds every public name and a page for every registered algorithm.
+test-docs: docs
+	SHOAL_DOCS_SITE=site $(PY) -m pytest -q -p no:cacheprovider tests/test_docs.py
 
 # Rewrite notebooks/*.ipynb (empty outputs) from their jupytext sources notebooks/NN_*.py.
 notebooks: $(STAMP)
@@ -147,4 +165,4 @@ wheel-check: $(STAMP)
 	PYTHON=$(PYTHON) bash tests/jobs/wheel_check.sh $(PY)
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) runs build *.egg-info .mypy_cache .import_linter_cache
+	rm -rf $(VENV) $(GPU_VENV) runs build site *.egg-info .mypy_cache .import_linter_cache

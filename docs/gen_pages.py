@@ -1,0 +1,511 @@
+"""The documentation's generated pages, made from the code each time the site is built.
+
+mkdocs-gen-files runs this file (mkdocs.yml) and `pages` writes, in memory only:
+
+- ``getting_started.md``: ``docs/templates/getting_started.md`` with README.md's sections
+  put in where it names them (a section that is gone fails the build);
+- ``algorithms/<name>.md`` for every registered algorithm (`shoal.experiments.algorithms`),
+  each put in the nav after ``algorithms/index.md``, the overview;
+- ``api/<package>.md`` for shoal.comms, shoal.optim, shoal.kernels, shoal.costmodel,
+  listing their ``__all__``;
+- ``cli.md``: ``shoal-run``'s options from its argparse parser and every ``--set`` key
+  of `Config`.
+
+tests/test_docs.py imports this file to check that the pages cover the registry.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import html
+import importlib
+import inspect
+import re
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("comms", "optim", "kernels", "costmodel")
+
+
+# --- Getting started: README.md's sections ------------------------------------------------
+
+
+def readme_section(text: str, title: str) -> str:
+    """The ``## title`` section of a Markdown text, heading included, up to the next
+    ``## `` heading outside a code fence; `KeyError` if there is none."""
+    out: list[str] = []
+    fence = None
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if out and fence is None and line.startswith("## "):
+            break
+        if line == f"## {title}":
+            out.append(line)
+            continue
+        if out:
+            out.append(line)
+            if stripped.startswith(("```", "~~~")):
+                marker = stripped[:3]
+                fence = None if fence == marker else (fence or marker)
+    if not out:
+        raise KeyError(f"README.md has no section '## {title}'")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def getting_started() -> str:
+    """The template with every ``<!-- README: title -->`` line replaced by that section."""
+    readme = (ROOT / "README.md").read_text()
+    template = (ROOT / "docs" / "templates" / "getting_started.md").read_text()
+    return re.sub(
+        r"^<!-- README: (.+?) -->$",
+        lambda m: readme_section(readme, m.group(1)),
+        template,
+        flags=re.M,
+    )
+
+
+# --- Algorithms -----------------------------------------------------------------------------
+
+
+def optim_functions(build) -> list[str]:
+    """The `shoal.optim` names a builder's code refers to (``optim.diloco(...)``,
+    ``p.rule(optim.onebit_lamb, ...)``), in order of first use."""
+    import shoal.optim
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(build)))
+    found = sorted(
+        (node.lineno, node.col_offset, node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "optim"
+        and node.attr in shoal.optim.__all__
+    )
+    return list(dict.fromkeys(name for _, _, name in found))
+
+
+def optim_function(name: str, build) -> str | None:
+    """The one `shoal.optim` function an algorithm runs: the only one its builder calls,
+    or among several the one of its own name (``sparta`` around ``diloco``); else None."""
+    found = optim_functions(build)
+    if len(found) == 1:
+        return found[0]
+    return name if name in found else None
+
+
+def _check_texts(cls) -> dict[str, str]:
+    """Field name -> the allowed values a ``check_field(cond, "field", "allowed")`` states,
+    read from the ``check`` methods of ``cls`` and its bases and from the module functions
+    they call (``check_clip``)."""
+    out: dict[str, str] = {}
+
+    def scan(func, depth: int) -> None:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+        except (OSError, TypeError):
+            return
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id == "check_field" and len(node.args) == 3:
+                field, allowed = node.args[1], node.args[2]
+                if isinstance(field, ast.Constant) and isinstance(allowed, ast.Constant):
+                    out.setdefault(field.value, allowed.value)
+            elif depth:
+                called = getattr(inspect.getmodule(func), node.func.id, None)
+                if inspect.isfunction(called):
+                    scan(called, depth - 1)
+
+    for klass in cls.__mro__:
+        if "check" in vars(klass):
+            scan(vars(klass)["check"], 1)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    path: str  # "diloco.outer.momentum"
+    default: object
+    type: str
+    allowed: str
+
+
+def hyper_params(cls, prefix: str) -> list[Param]:
+    """Every settable path of a `Hyper` dataclass, nested parts walked recursively."""
+    from shoal.experiments.algorithms import Hyper
+
+    allowed = _check_texts(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        path = f"{prefix}.{f.name}"
+        if isinstance(default, Hyper):
+            rows.extend(hyper_params(type(default), path))
+        else:
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            rows.append(Param(path, default, kind, allowed.get(f.name, "")))
+    return rows
+
+
+@functools.cache
+def _test_index() -> dict[str, tuple[frozenset[str], tuple[str, ...]]]:
+    """Per test file: the names it imports from shoal.optim or reads as ``optim.name``,
+    and its short string constants."""
+    index = {}
+    for p in sorted((ROOT / "tests").glob("test_*.py")):
+        if p.name == "test_docs.py":  # names algorithms to check these pages, not them
+            continue
+        names, strings = set(), []
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "shoal.optim":
+                names.update(a.name for a in node.names)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "optim"
+            ):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if len(node.value) < 200 and not node.value.startswith(("shoal.", "test_")):
+                    strings.append(node.value)
+        index[p.relative_to(ROOT).as_posix()] = (frozenset(names), tuple(strings))
+    return index
+
+
+def tests_of_function(func: str) -> list[str]:
+    """The test files that import ``func`` from shoal.optim or call ``optim.func``."""
+    return [path for path, (names, _) in _test_index().items() if func in names]
+
+
+def tests_of_entry(name: str) -> list[str]:
+    """The test files that name the runner entry ``name`` in a string (``"diloco"``,
+    ``"diloco[sync_every=20]"``, ``"ssgd,diloco"``)."""
+    word = re.compile(rf"(?<![\w.]){re.escape(name)}(?![\w])")
+    return [
+        path for path, (_, strings) in _test_index().items() if any(word.search(s) for s in strings)
+    ]
+
+
+def references(doc: str) -> str:
+    """A docstring's ``References:`` (or ``Reference:``) section, else its author-year
+    citations, else ""."""
+    m = re.search(r"^( *)References?:[ \t]*(.*?)(?=\n\1\S|\n\s*\n\1\S|\Z)", doc, re.S | re.M)
+    if m:
+        return " ".join(m.group(2).split())
+    cites = re.findall(r"\b[A-Z][\w-]+(?: et al\.)?,? (?:19|20)\d\d\b", doc)
+    return "; ".join(dict.fromkeys(cites))
+
+
+def _markdown_docstring(doc: str) -> str:
+    """A module docstring as Markdown: reST's ``::`` before a literal block becomes ``:``
+    (the indented block is a Markdown code block as it stands)."""
+    return re.sub(r"::$", ":", inspect.cleandoc(doc), flags=re.M)
+
+
+def _code(value) -> str:
+    """``value`` as inline code (a table cell's pipes are safe inside backticks)."""
+    return f"`{value!r}`"
+
+
+def _cell(text: str) -> str:
+    """Prose for a table cell: one line, and outside code spans (where the table reads
+    them as they are) its pipes escaped and its ``<`` and ``>`` too (``runs/<name>`` is
+    not an HTML tag)."""
+    parts = " ".join(text.split()).split("`")
+    parts[::2] = [html.escape(p, quote=False).replace("|", "\\|") for p in parts[::2]]
+    return "`".join(parts)
+
+
+def _allowed(p: Param) -> str:
+    """What a value may be: its ``check()`` text, else a ``Literal``'s values, else its type."""
+    if p.allowed:
+        return _cell(p.allowed)
+    literal = re.fullmatch(r"Literal\[(.*)\]", p.type)
+    if literal:
+        return "one of " + ", ".join(f"`{v.strip()}`" for v in literal.group(1).split(","))
+    return f"`{p.type}`"
+
+
+def _files(paths: list[str]) -> str:
+    return ": " + ", ".join(f"`{p}`" for p in paths) + "." if paths else ": none found."
+
+
+def algorithm_page(algo) -> str:
+    """One algorithm's page: its module's docstring, hyper-parameters, paper, tests and
+    the `shoal.optim` function it runs, rendered by mkdocstrings."""
+    import shoal.optim
+    from shoal.experiments.algorithms import FAMILIES
+
+    module = inspect.getmodule(algo.build)
+    module_doc = inspect.getdoc(module) or ""
+    func = optim_function(algo.name, algo.build)
+    func_doc = inspect.getdoc(getattr(shoal.optim, func)) if func else ""
+    flags = [f"family **{algo.family}** ({FAMILIES[algo.family]})"]
+    if algo.reference:
+        flags.append("the reference every other entry is compared with")
+    if algo.two_tier:
+        flags.append("two-tier (`group_size` workers per group)")
+    if algo.compares_to:
+        flags.append(f"compared with [`{algo.compares_to}`]({algo.compares_to}.md)")
+    if algo.churn:
+        flags.append("runs under `churn`")
+    if algo.turns:
+        flags.append("takes turns with `in_turn`")
+    if algo.asynchronous:
+        flags.append("asynchronous outer steps, simulated on the clock")
+    src = Path(module.__file__).resolve().relative_to(ROOT).as_posix()
+    lines = [
+        f"# {algo.name}",
+        "",
+        f"Registered in `{src}` ({module.__name__}): " + "; ".join(flags) + ".",
+        "",
+        _markdown_docstring(module_doc),
+        "",
+        "## Select it",
+        "",
+        "A config names it in `algorithms`; on the command line, `--set` replaces the"
+        " config's list (CONFIG: a config file or a bundled config's name):",
+        "",
+        "```sh",
+        f"shoal-run CONFIG --set algorithms={algo.name}",
+        "```",
+        "",
+        "## Hyper-parameters",
+        "",
+        f"Each path is a `--set` key for the whole run (`--set {algo.name}.<path>=VALUE`),"
+        f" or, without the leading `{algo.name}.`, a bracketed override of one entry"
+        f' (`--set "algorithms={algo.name}[<path>=VALUE]"`). The allowed values are what'
+        f" the parameters' `check()` states; `{algo.params.__name__}`'s annotations are"
+        " checked too.",
+        "",
+        "| `--set` key | default | allowed |",
+        "|---|---|---|",
+    ]
+    for p in hyper_params(algo.params, algo.name):
+        lines.append(f"| `{p.path}` | {_code(p.default)} | {_allowed(p)} |")
+    ref = references(func_doc) or references(module_doc)
+    lines += ["", "## Paper", "", ref or "None given in the docstrings.", "", "## Tests", ""]
+    entry_tests = tests_of_entry(algo.name)
+    if func:
+        tested = _files(tests_of_function(func))
+        lines += [f"The transformation `shoal.optim.{func}` is checked by{tested}", ""]
+    lines += [f"The runner entry `{algo.name}` is named by{_files(entry_tests)}", ""]
+    if func:
+        lines += [
+            "## The transformation",
+            "",
+            f"::: shoal.optim.{func}",
+            "    options:",
+            "      heading_level: 3",
+            "",
+        ]
+    else:
+        lines += [
+            "## The transformation",
+            "",
+            "No single `shoal.optim` function runs this entry (its builder calls "
+            + (", ".join(f"`shoal.optim.{n}`" for n in optim_functions(algo.build)) or "none")
+            + "): the module docstring above describes it.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def algorithm_pages() -> dict[str, str]:
+    """``algorithms/<name>.md`` for every registered algorithm, the index and the nav."""
+    from shoal.experiments.algorithms import ALGORITHMS
+
+    pages = {f"algorithms/{n}.md": algorithm_page(a) for n, a in sorted(ALGORITHMS.items())}
+    rows = ["| algorithm | family | runs | summary |", "|---|---|---|---|"]
+    for name, algo in sorted(ALGORITHMS.items()):
+        func = optim_function(name, algo.build)
+        runs = f"`shoal.optim.{func}`" if func else "(see its page)"
+        doc = inspect.getdoc(inspect.getmodule(algo.build)) or ""
+        first = _cell(doc.split("\n\n")[0])
+        rows.append(f"| [{name}]({name}.md) | {algo.family} | {runs} | {first} |")
+    pages["algorithms/index.md"] = "\n".join(
+        [
+            "# Algorithms",
+            "",
+            "Every algorithm `shoal-run` can train, one page each, generated from the registry"
+            " (`shoal.experiments.algorithms`) when the site is built. A config names them in"
+            " `algorithms` (`--set algorithms=ssgd,diloco`).",
+            "",
+            *rows,
+            "",
+        ]
+    )
+    return pages
+
+
+def add_to_nav(nav: list, pages: dict[str, str]) -> None:
+    """Put every ``algorithms/<name>.md`` of ``pages`` in mkdocs.yml's nav, after the
+    section's ``algorithms/index.md``."""
+    for item in nav:
+        for value in item.values() if isinstance(item, dict) else ():
+            if isinstance(value, list) and {"Overview": "algorithms/index.md"} in value:
+                names = sorted(p for p in pages if p.startswith("algorithms/"))
+                value[1:] = [{Path(p).stem: p} for p in names if p != "algorithms/index.md"]
+                return
+    raise KeyError("mkdocs.yml's nav has no section with Overview: algorithms/index.md")
+
+
+# --- API reference ---------------------------------------------------------------------------
+
+
+def api_page(package: str) -> str:
+    """One package's page: its docstring and every name of its ``__all__``."""
+    module = importlib.import_module(f"shoal.{package}")
+    members = "\n".join(f"        - {name}" for name in module.__all__)
+    return "\n".join(
+        [
+            f"# shoal.{package}",
+            "",
+            f"Every public name of `shoal.{package}` (its `__all__`), with its source.",
+            "",
+            f"::: shoal.{package}",
+            "    options:",
+            "      show_root_heading: false",
+            "      show_root_toc_entry: false",
+            "      summary: true",
+            "      members_order: alphabetical",
+            "      members:",
+            members,
+            "",
+        ]
+    )
+
+
+# --- CLI reference ---------------------------------------------------------------------------
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Field name -> the comment block above it in the class body, or for a field with
+    none, the block above the fields before it (up to a blank line) if it names it
+    (``speeds``' comment also says what ``compute_ms`` is)."""
+    lines, _ = inspect.getsourcelines(cls)
+    out: dict[str, str] = {}
+    comment: list[str] = []
+    above = ""
+    for line in lines[1:]:
+        s = line.strip()
+        if s.startswith("#"):
+            comment.append(s.lstrip("# ").rstrip())
+            continue
+        m = re.match(r"([a-z_]\w*)\s*:", s)
+        if m and "(" not in s.split(":")[0]:
+            name = m.group(1)
+            if comment:
+                above = " ".join(comment)
+                out[name] = above
+            elif re.search(rf"(?<![\w.]){name}(?!\w)", above):
+                out[name] = above
+        elif not s:
+            above = ""
+        comment = []
+    return out
+
+
+def cli_page() -> str:
+    """``shoal-run``'s options (its argparse parser) and every ``--set`` key of `Config`."""
+    import argparse
+
+    from shoal.experiments.config import Config, RunFields, TaskFields
+    from shoal.experiments.runner.arguments import build_parser
+
+    parser = build_parser()
+    lines = [
+        "# CLI reference: `shoal-run`",
+        "",
+        "Generated from the parser (`experiments/runner/arguments.py`, `build_parser`) and"
+        " the `Config` dataclass (`experiments/config.py`) when the site is built.",
+        "",
+        "```text",
+        parser.format_usage().strip(),
+        "```",
+        "",
+        _cell(parser.description or ""),
+        "",
+        "## Options",
+        "",
+        "| option | default | help |",
+        "|---|---|---|",
+    ]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            flag = "`-h`, `--help`"
+        elif action.option_strings:
+            meta = action.metavar or (
+                "{" + ",".join(action.choices) + "}" if action.choices else action.dest.upper()
+            )
+            value = "" if action.nargs == 0 else f" {meta}"
+            flag = ", ".join(f"`{o}{value}`" for o in action.option_strings)
+        else:
+            flag = f"`{action.metavar or action.dest.upper()}` (positional)"
+        default = action.default
+        unset = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        shown = "" if unset else _code(default)
+        text = _cell(action.help or "")
+        lines.append(f"| {flag} | {shown} | {text} |")
+    lines += ["", _cell(parser.epilog or ""), ""]
+
+    lines += [
+        "## `--set` keys of the config",
+        "",
+        "`--set KEY=VALUE` overrides one field of the config's `Config` (a config file may"
+        " return a subclass with more). Algorithms' hyper-parameters are"
+        " `--set NAME.PATH=VALUE`: every path is listed on"
+        " [its algorithm's page](algorithms/index.md).",
+        "",
+    ]
+    for title, group in (("Run", RunFields), ("Task", TaskFields)):
+        comments = _field_comments(group)
+        lines += [
+            f"### {title} fields",
+            "",
+            "| key | default | meaning |",
+            "|---|---|---|",
+        ]
+        names = {f.name for f in dataclasses.fields(group)}
+        for f in dataclasses.fields(Config):
+            if f.name not in names:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            comment = _cell(comments.get(f.name, ""))
+            meaning = f"`{f.type}`" + (f": {comment}" if comment else "")
+            tasks = f.metadata.get("tasks")
+            if tasks:
+                meaning += f" Read by the tasks {', '.join(tasks)} only."
+            lines.append(f"| `{f.name}` | {_code(default)} | {meaning} |")
+        lines.append("")
+    lines += [
+        "### `params`",
+        "",
+        " ".join(_field_comments(Config).get("params", "").split()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --- All of them -----------------------------------------------------------------------------
+
+
+def pages() -> dict[str, str]:
+    """Every generated page: path under docs/ -> Markdown."""
+    out = {"getting_started.md": getting_started(), "cli.md": cli_page()}
+    out.update(algorithm_pages())
+    out.update({f"api/{p}.md": api_page(p) for p in PACKAGES})
+    return out
+
+
+if __name__ == "<run_path>":  # run by mkdocs-gen-files (runpy.run_path)
+    import mkdocs_gen_files
+
+    generated = pages()
+    for path, text in generated.items():
+        with mkdocs_gen_files.open(path, "w") as f:
+            f.write(text)
+    add_to_nav(mkdocs_gen_files.config.nav, generated)
