@@ -48,7 +48,8 @@ def _import_mpi():
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise ImportError(
             "MPICollective needs mpi4py and mpi4jax: run install.sh from shoal's clone (it "
-            "builds mpi4jax against the mpich wheel; README, 'Use shoal in your own project')"
+            "builds mpi4jax against the mpich wheel; docs/guide/install.md, 'Use shoal in "
+            "your own project')"
         ) from e
     return MPI, mpi4jax
 

@@ -2,8 +2,9 @@
 
 mkdocs-gen-files runs this file (mkdocs.yml) and `pages` writes, in memory only:
 
-- ``getting_started.md``: ``docs/templates/getting_started.md`` with README.md's sections
-  put in where it names them (a section that is gone fails the build);
+- ``getting_started.md``: ``docs/templates/getting_started.md`` with the sections of the
+  guide's pages (``docs/guide/*.md``) put in where it names them (a section that is gone
+  fails the build);
 - ``algorithms/<name>.md`` for every registered algorithm (`shoal.experiments.algorithms`),
   each put in the nav after ``algorithms/index.md``, the overview;
 - ``api/<package>.md`` for shoal.comms, shoal.optim, shoal.kernels, shoal.costmodel,
@@ -30,41 +31,51 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("comms", "optim", "kernels", "costmodel")
 
 
-# --- Getting started: README.md's sections ------------------------------------------------
+# --- Getting started: sections of README.md and the guide's pages ---------------------------
 
 
 def readme_section(text: str, title: str) -> str:
-    """The ``## title`` section of a Markdown text, heading included, up to the next
-    ``## `` heading outside a code fence; `KeyError` if there is none."""
+    """The section of a Markdown text headed ``title`` (``## title``, or ``# title`` for a
+    page's own title) up to the next heading of its level or above outside a code fence,
+    as a ``## `` section: its headings moved by as many levels. `KeyError` if there is none."""
     out: list[str] = []
+    level = 0
     fence = None
     for line in text.splitlines():
         stripped = line.lstrip()
-        if out and fence is None and line.startswith("## "):
+        heading = re.match(r"(#{1,6}) (.*)$", line) if fence is None else None
+        if out and heading and len(heading.group(1)) <= level:
             break
-        if line == f"## {title}":
+        if not out and heading and heading.group(2) == title:
+            level = len(heading.group(1))
             out.append(line)
             continue
         if out:
+            if heading:
+                line = "#" * min(6, len(heading.group(1)) + 2 - level) + " " + heading.group(2)
             out.append(line)
             if stripped.startswith(("```", "~~~")):
                 marker = stripped[:3]
                 fence = None if fence == marker else (fence or marker)
     if not out:
-        raise KeyError(f"README.md has no section '## {title}'")
+        raise KeyError(f"no section '{title}'")
+    out[0] = f"## {title}"
     return "\n".join(out).rstrip() + "\n"
 
 
 def getting_started() -> str:
-    """The template with every ``<!-- README: title -->`` line replaced by that section."""
-    readme = (ROOT / "README.md").read_text()
+    """The template with every ``<!-- FILE: title -->`` line replaced by that section of
+    FILE (a path from the repository root: ``README.md``, ``docs/guide/install.md``)."""
     template = (ROOT / "docs" / "templates" / "getting_started.md").read_text()
-    return re.sub(
-        r"^<!-- README: (.+?) -->$",
-        lambda m: readme_section(readme, m.group(1)),
-        template,
-        flags=re.M,
-    )
+
+    def section(m: re.Match) -> str:
+        path, title = m.group(1), m.group(2)
+        try:
+            return readme_section((ROOT / path).read_text(), title)
+        except KeyError:
+            raise KeyError(f"{path} has no section '{title}'") from None
+
+    return re.sub(r"^<!-- (\S+\.md): (.+?) -->$", section, template, flags=re.M)
 
 
 # --- Algorithms -----------------------------------------------------------------------------

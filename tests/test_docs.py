@@ -146,7 +146,7 @@ def test_readme_sections_are_on_getting_started(site):
     for title in ("Use shoal in your own project", "Compose shoal with optax"):
         assert title in html
     assert "AxisCollective" in html and "MPICollective" in html
-    with pytest.raises(KeyError):  # a section README.md no longer has fails the build
+    with pytest.raises(KeyError):  # a section the guide no longer has fails the build
         gen.readme_section("# x\n\n## Other\n", "Compose shoal with optax")
 
 

@@ -1,4 +1,5 @@
-"""The README's install commands are the ones `make` runs (install.sh), and shoal has a version."""
+"""The install commands (README.md's "Use shoal in your own project", now in
+docs/guide/install.md) are the ones `make` runs (install.sh), and shoal has a version."""
 
 import os
 import re
@@ -8,21 +9,16 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from markdown_sections import section
 
 import shoal
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _readme_section(title):
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end]
+INSTALL = ("docs/guide/install.md", "Use shoal in your own project")
 
 
 def test_readme_mpi_commands_are_install_sh():
-    blocks = re.findall(r"```sh\n(.*?)```", _readme_section("Use shoal in your own project"), re.S)
+    blocks = re.findall(r"```sh\n(.*?)```", section(*INSTALL), re.S)
     readme_mpi = [line for line in blocks[1].splitlines() if line.strip()]
     script = [
         line

@@ -1,4 +1,5 @@
-"""The README's example runs and does what it says."""
+"""The README's examples run and do what they say, and so do those of the docs pages its
+longer sections moved to (docs/guide/*.md); the paths and links they name exist."""
 
 import os
 import re
@@ -7,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from markdown_sections import MOVED, README, ROOT, python_blocks, section
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path("docs") / "guide"
 
 
 def test_readme_example_runs(capsys):
@@ -22,16 +24,24 @@ def test_readme_example_runs(capsys):
     assert namespace["w"].shape == (4, 8, 8)
 
 
-def section_code(title: str) -> str:
-    """The first python block under the README's section ``title``."""
-    section = README.read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+def test_readme_example_is_the_guides():
+    # docs/guide/composing.md opens with the same loop, which the test above runs.
+    readme = python_blocks(README.read_text())[0]
+    assert python_blocks(section(GUIDE / "composing.md", "Compose shoal with optax"))[0] == readme
+
+
+def section_code(path: Path, title: str, index: int = 0) -> str:
+    """The ``index``-th python block under the section ``title`` of the Markdown ``path``."""
+    return python_blocks(section(path, title))[index]
+
+
+MESH = (GUIDE / "mesh.md", "The same code on a device mesh")
 
 
 def test_readme_mesh_example_runs(tmp_path):
     # As a user runs it: a fresh process (its XLA_FLAGS line must come before jax starts).
     script = tmp_path / "mesh.py"
-    script.write_text(section_code("The same code on a device mesh"))
+    script.write_text(section_code(*MESH))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
@@ -44,8 +54,7 @@ def test_readme_mesh_example_runs(tmp_path):
 def test_readme_sharded_worker_example_runs(tmp_path):
     # The second recipe of the mesh section, as written, then its result against the same
     # three steps with one device per worker (vmap over whole models).
-    section = README.read_text().split("## The same code on a device mesh\n", 1)[1]
-    code = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)[1]
+    code = section_code(*MESH, index=1)
     check = """
 def one_device(w, state, x, y):
     g = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
@@ -69,13 +78,15 @@ print(float(jnp.abs(w - w1).max()), float(jnp.abs(w1).max()))
     assert scale > 0.01 and diff <= 1e-5 * scale
 
 
-ROOT = README.parent
 MPI_EXAMPLE = ROOT / "examples" / "mpi_train.py"
+MPI_GUIDE = (GUIDE / "mpi.md", "The same code under MPI")
 
 
 def test_readme_mpi_example_is_the_example_script():
-    # The README shows the whole script a user runs under mpiexec, not a fragment.
-    assert section_code("The same code under MPI") == MPI_EXAMPLE.read_text()
+    # The README and the MPI guide show the whole script a user runs under mpiexec, not a
+    # fragment.
+    assert section_code(Path("README.md"), "MPI") == MPI_EXAMPLE.read_text()
+    assert section_code(*MPI_GUIDE) == MPI_EXAMPLE.read_text()
 
 
 def test_readme_mpi_example_runs_under_mpiexec(tmp_path):
@@ -132,9 +143,7 @@ PS_EXAMPLE = ROOT / "examples" / "parameter_servers.py"
 
 
 def test_readme_parameter_servers_example_is_the_example_script():
-    text = README.read_text()
-    section = text.split("## The same code under MPI\n", 1)[1].split("\n## ", 1)[0]
-    assert re.findall(r"```python\n(.*?)```", section, re.S)[1] == PS_EXAMPLE.read_text()
+    assert section_code(*MPI_GUIDE, index=1) == PS_EXAMPLE.read_text()
 
 
 def test_readme_parameter_servers_example_runs_under_mpiexec(tmp_path):
@@ -186,28 +195,79 @@ def test_readme_parameter_servers_example_runs_under_mpiexec(tmp_path):
         assert wire == "WireCount(sent=780, received=780)"
 
 
-# Files the runner writes (the README names them, a clone does not hold them), and the
-# placeholder of the runner's usage line.
+# Files the runner writes (the README names them, a clone does not hold them), the docs
+# site that `make docs` builds and the wheel's folder, and the placeholder of the runner's
+# usage line.
 GENERATED = ("runs/", "metrics.jsonl", "timing.jsonl", "sweep.jsonl", "summary.md", "report.md")
+GENERATED += ("site/", "dist/")
 PLACEHOLDERS = {"CONFIG.py"}
 PATH_LIKE = re.compile(r"[\w.\-/]+")
 FILE_EXT = re.compile(r"\.(py|md|sh|toml|ipynb|txt|json|jsonl|csv|cfg|ya?ml)$")
 
 
-def readme_paths() -> list[str]:
-    """Every word of a backticked span of the README that names a file or folder: a path
-    with a slash, or a name with a file extension (commands included, so the script in
-    `shoal-run experiments/configs/x.py --workers 8` counts)."""
-    words = {w for span in re.findall(r"`([^`\n]+)`", README.read_text()) for w in span.split()}
+def readme_paths(path: Path = README) -> list[str]:
+    """Every word of a backticked span of a Markdown file that names a file or folder: a
+    path with a slash, or a name with a file extension (commands included, so the script in
+    `shoal-run experiments/configs/x.py --workers 8` counts). Paths are from the repository
+    root, in the README and in the docs pages its sections moved to alike."""
+    words = {w for span in re.findall(r"`([^`\n]+)`", path.read_text()) for w in span.split()}
     return sorted(w for w in words if PATH_LIKE.fullmatch(w) and ("/" in w or FILE_EXT.search(w)))
 
 
-def test_readme_paths_exist_in_the_repository():
-    paths = readme_paths()
-    assert {"experiments/runner/malloc.py", "examples/mpi_train.py", "install.sh"} <= set(paths)
+@pytest.mark.parametrize("path", [README, *MOVED], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_readme_paths_exist_in_the_repository(path):
+    paths = readme_paths(path)
     missing = [
         p
         for p in paths
         if not p.startswith(GENERATED) and p not in PLACEHOLDERS and not (ROOT / p).exists()
     ]
-    assert missing == [], f"the README names paths that are not in the repository: {missing}"
+    assert missing == [], f"{path.name} names paths that are not in the repository: {missing}"
+
+
+def test_moved_pages_name_the_readmes_paths():
+    # The README's sections and the pages they moved to name these, among all the others.
+    paths = {p for path in (README, *MOVED) for p in readme_paths(path)}
+    assert {"experiments/runner/malloc.py", "examples/mpi_train.py", "install.sh"} <= paths
+
+
+# A Markdown link or image: [text](target) or ![alt](target), an optional "title" after it.
+LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def anchors(text: str) -> set[str]:
+    """The ids of a Markdown text's headings, as GitHub and MkDocs' toc make them."""
+    titles = re.findall(r"^#{1,6} (.+?)\s*#*$", text, re.M)
+    return {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", t).strip().lower()) for t in titles}
+
+
+def test_readme_links_resolve():
+    """Every relative link of README.md names a file of the repository (or, for a link to
+    a heading, a heading of the README)."""
+    text = README.read_text()
+    links = LINK.findall(text)
+    assert "docs/guide/install.md" in links
+    broken = []
+    for link in links:
+        if re.match(r"[a-z][a-z0-9+.-]*:", link, re.I):  # https:, mailto:
+            continue
+        target, _, anchor = link.partition("#")
+        if not target:
+            if anchor not in anchors(text):
+                broken.append(link)
+            continue
+        path = (README.parent / target).resolve()
+        if not path.is_file() or not path.is_relative_to(ROOT):
+            broken.append(link)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path.read_text()):
+            broken.append(link)
+    assert broken == [], f"README.md links to what is not in the repository: {broken}"
+
+
+def test_readme_quickstart_table_is_the_docs_page():
+    # "At a glance": the README keeps the quickstart's paragraph and table, and
+    # docs/experiments/quickstart.md holds them with the rest of the section.
+    readme = section("README.md", "At a glance").split("\n", 1)[1]
+    kept = readme.split("\n\n¹ ", 1)[0].strip()
+    assert "| ssgd |" in kept
+    assert kept in section("docs/experiments/quickstart.md", "At a glance")
