@@ -127,9 +127,11 @@ bench-cluster: $(STAMP)
 reproduce: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce.py --overwrite
 
-# Its DiLoCo claim's cause tested: each worker's batch 4x (about 15 minutes).
+# Its DiLoCo claim's causes tested: each worker's batch 4x, then 4x the steps and rounds
+# (about 20 minutes each).
 reproduce-causes: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce_causes.py --overwrite
+	$(BIN)/shoal-run experiments/configs/reproduce_rounds.py --overwrite
 
 study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/gtc_sweep.py --overwrite

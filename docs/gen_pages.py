@@ -5,6 +5,8 @@ mkdocs-gen-files runs this file (mkdocs.yml) and `pages` writes, in memory only:
 - ``getting_started.md``: ``docs/templates/getting_started.md`` with the sections of the
   guide's pages (``docs/guide/*.md``) put in where it names them (a section that is gone
   fails the build);
+- ``results/reproduce.md``: ``docs/templates/reproduce.md`` with the README's "Does it
+  reproduce?" section, the table of the field's claims measured;
 - ``algorithms/<name>.md`` for every registered algorithm (`shoal.experiments.algorithms`),
   each put in the nav after ``algorithms/index.md``, the overview;
 - ``api/<package>.md`` for shoal.comms, shoal.optim, shoal.kernels, shoal.costmodel,
@@ -63,10 +65,11 @@ def readme_section(text: str, title: str) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def getting_started() -> str:
-    """The template with every ``<!-- FILE: title -->`` line replaced by that section of
-    FILE (a path from the repository root: ``README.md``, ``docs/guide/install.md``)."""
-    template = (ROOT / "docs" / "templates" / "getting_started.md").read_text()
+def from_template(name: str) -> str:
+    """``docs/templates/<name>`` with every ``<!-- FILE: title -->`` line replaced by that
+    section of FILE (a path from the repository root: ``README.md``,
+    ``docs/guide/install.md``)."""
+    template = (ROOT / "docs" / "templates" / name).read_text()
 
     def section(m: re.Match) -> str:
         path, title = m.group(1), m.group(2)
@@ -506,7 +509,8 @@ def cli_page() -> str:
 
 def pages() -> dict[str, str]:
     """Every generated page: path under docs/ -> Markdown."""
-    out = {"getting_started.md": getting_started(), "cli.md": cli_page()}
+    out = {"getting_started.md": from_template("getting_started.md"),
+           "results/reproduce.md": from_template("reproduce.md"), "cli.md": cli_page()}
     out.update(algorithm_pages())
     out.update({f"api/{p}.md": api_page(p) for p in PACKAGES})
     return out

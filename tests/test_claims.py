@@ -105,7 +105,7 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
     assert "drop --workers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["reproduce", "reproduce_causes"])
+@pytest.mark.parametrize("name", ["reproduce", "reproduce_causes", "reproduce_rounds"])
 def test_the_bundled_reproductions_resolve_every_arm(name):
     rep = load_argument(name)
     assert isinstance(rep, Reproduction) and len(rep.seeds) >= 3
@@ -116,10 +116,14 @@ def test_the_bundled_reproductions_resolve_every_arm(name):
         papers = {c.paper for c in rep.claims}
         assert len(papers) >= 8 and len(rep.claims) >= 14
         assert {a.tuned_as for a in rep.arms()} >= {"DiLoCo, M = 8, H = 50"}
-    else:  # the inner batch 4x reproduce's, the steps and rounds the same
+    elif name == "reproduce_causes":  # the inner batch 4x reproduce's, the steps the same
         base = load_argument("reproduce")
         assert rep.config.batch_size == 4 * base.config.batch_size
         assert [rep.arm_config(a).steps for a in rep.arms()] == [400, 400]
+    else:  # the batch the same, 4x the steps
+        base = load_argument("reproduce")
+        assert rep.config.batch_size == base.config.batch_size
+        assert [rep.arm_config(a).steps for a in rep.arms()] == [1600, 1600]
 
 
 def test_a_claim_row_from_summaries():

@@ -150,6 +150,15 @@ def test_readme_sections_are_on_getting_started(site):
         gen.readme_section("# x\n\n## Other\n", "Compose shoal with optax")
 
 
+def test_the_reproduction_table_is_on_its_results_page(site):
+    html = (site / "results" / "reproduce" / "index.html").read_text()
+    readme = (ROOT / "README.md").read_text().split("## Does it reproduce?\n", 1)[1]
+    table = [line for line in readme.split("\n## ", 1)[0].splitlines() if line.startswith("|")]
+    assert "Does it reproduce?" in html and len(table) >= 10  # claims, header and rule
+    for claim in (row.split("|")[1].strip() for row in table[2:]):
+        assert claim.replace("&", "&amp;") in html
+
+
 def test_cli_page_has_every_option_and_config_key(site):
     from shoal.experiments.config import Config
     from shoal.experiments.runner.arguments import build_parser

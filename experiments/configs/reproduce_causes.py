@@ -7,7 +7,7 @@ keeps the steps, rounds and everything else of that claim and gives every worker
 batch (16 windows; so 4x the tokens, for DiLoCo and data parallel alike): if the inner
 batch is the cause, DiLoCo's gap to data parallel shrinks.
 
-Run it with ``shoal-run reproduce_causes`` (about 15 minutes on 2 CPU cores); each arm's
+Run it with ``shoal-run reproduce_causes`` (about 20 minutes on 2 CPU cores); each arm's
 inner rate and DiLoCo's outer momentum are tuned on the validation files as in
 ``reproduce``, over a smaller grid.
 """
