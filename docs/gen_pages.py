@@ -509,8 +509,11 @@ def cli_page() -> str:
 
 def pages() -> dict[str, str]:
     """Every generated page: path under docs/ -> Markdown."""
-    out = {"getting_started.md": from_template("getting_started.md"),
-           "results/reproduce.md": from_template("reproduce.md"), "cli.md": cli_page()}
+    out = {
+        "getting_started.md": from_template("getting_started.md"),
+        "results/reproduce.md": from_template("reproduce.md"),
+        "cli.md": cli_page(),
+    }
     out.update(algorithm_pages())
     out.update({f"api/{p}.md": api_page(p) for p in PACKAGES})
     return out
