@@ -123,7 +123,7 @@ bench-cluster: $(STAMP)
 
 # The longer experiments behind the README's results (minutes each on 2 cores).
 # The "Does it reproduce?" study (experiments/configs/reproduce.py): runs/reproduce/,
-# about 70 minutes; `.venv/bin/shoal-run reproduce --resume` continues a stopped one.
+# about 80 minutes; `.venv/bin/shoal-run reproduce --resume` continues a stopped one.
 reproduce: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce.py --overwrite
 

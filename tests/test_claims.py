@@ -35,6 +35,12 @@ def test_the_verdict_by_hand(method, reference, within, verdict):
     assert judge(spread(method), spread(reference), within) == verdict
 
 
+def test_a_diverged_method_never_holds():
+    nan = float("nan")
+    assert judge(spread([nan, 1.0, 1.0]), spread([2.0, 2.0]), 0.0) == "does not hold"
+    assert judge(spread([1.0, 1.0]), spread([nan, 2.0]), 0.0) == "inconclusive"
+
+
 def test_bytes_that_miss_the_claim_never_hold():
     assert judge(spread([1.0, 1.0]), spread([2.0, 2.0]), 0.0, bytes_ok=False) == "does not hold"
 

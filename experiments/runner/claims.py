@@ -167,7 +167,13 @@ class Reproduction:
 
 
 def judge(method: Spread, reference: Spread, within: float, bytes_ok: bool = True) -> str:
-    """The verdict of the module docstring's rule."""
+    """The verdict of the module docstring's rule; a method whose loss is not finite on
+    some seed (it diverged) does not hold, and against a reference that diverged nothing
+    is concluded."""
+    if not math.isfinite(method.mean):
+        return "does not hold"
+    if not math.isfinite(reference.mean):
+        return "inconclusive"
     scale = 1.0 + within
     d = method.mean - scale * reference.mean
     s = math.hypot(method.std or 0.0, scale * (reference.std or 0.0))
