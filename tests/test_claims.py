@@ -5,7 +5,9 @@ per arm and the errors that name a bad arm, a tiny reproduction through ``shoal-
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import textwrap
 
 import harness
@@ -39,6 +41,35 @@ def test_a_diverged_method_never_holds():
     nan = float("nan")
     assert judge(spread([nan, 1.0, 1.0]), spread([2.0, 2.0]), 0.0) == "does not hold"
     assert judge(spread([1.0, 1.0]), spread([nan, 2.0]), 0.0) == "inconclusive"
+
+
+def test_a_seed_that_ends_above_its_start_diverged_and_is_shown_apart():
+    """1-bit Adam's seed 1 in reproduce ended at 1.2e9 (finite): by the interval alone it
+    made the claim inconclusive; as a diverged seed it makes it not hold."""
+    from shoal.experiments.runner.claims import _diverged, _loss, _row
+
+    def run(seed, final, first=5.5):
+        return {"summary": {"seed": seed, "test_loss": final}, "records": [{"loss": first}]}
+
+    assert [_diverged(run(0, x)) for x in (2.0, 5.4, 5.6, 1.2e9, float("nan"))] == [
+        False, False, True, True, True]  # fmt: skip
+    one, other = Arm("1-bit", "a", 8), Arm("Adam", "b", 8)
+
+    def summaries(losses):
+        return [{**run(i, x)["summary"], "diverged": _diverged(run(i, x)), "mb_sent": 1.0,
+                 "peak_kb_sent": 1.0} for i, x in enumerate(losses)]  # fmt: skip
+
+    runs = {one.key: summaries([3.28, 1.2e9, 3.27]), other.key: summaries([2.3, 2.4, 2.3])}
+    assert judge(spread([3.28, 1.2e9, 3.27]), spread([2.3, 2.4, 2.3]), 0.01) == "inconclusive"
+    row = _row(Claim("c", "p", "s", one, other, within=0.01), runs)
+    assert row["verdict"] == "does not hold" and row["diverged_method"] == {1: 1.2e9}
+    assert row["loss_method"].n == 2 and abs(row["loss_method"].mean - 3.275) < 1e-12
+    shown = _loss(row["loss_method"], row["diverged_method"], n=3)
+    assert shown == "3.275 ± 0.007 (n = 2); diverged: seed 1 at 1.2e+09"
+    flipped = _row(Claim("c", "p", "s", other, one, within=0.01), runs)
+    assert flipped["verdict"] == "inconclusive"  # against a reference that diverged
+    runs[one.key] = summaries([float("nan")] * 3)  # every seed diverged: no mean to show
+    assert _loss(_row(Claim("c", "p", "s", one, other), runs)["loss_method"], {}) == "-"
 
 
 def test_bytes_that_miss_the_claim_never_hold():
@@ -92,7 +123,9 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
             line.startswith("| Lower")]  # fmt: skip
     assert len(rows) == 2
     assert all(any(f"**{v}**" in r for v in VERDICTS) for r in rows)
-    assert "(n = 2)" in rows[0] and "claimed >= 3.5x" in rows[0]
+    assert "test loss, method (n = 2)" in text and "claimed >= 3.5x" in rows[0]
+    assert re.search(r"^\| DiLoCo \| arXiv 2311.08105 \| DiLoCo \| \d\.\d{3} ± \d\.\d{3} \| DP \|",
+                     rows[0])  # fmt: skip
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted((r["arm"], r["seed"]) for r in results) == [
         ("DP", 0),
@@ -107,6 +140,16 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
     local = next(r for r in results if r["arm"] == "DiLoCo")["mb_sent"]
     assert 3.5 < dp / local < 4
     assert "## Tuning" in text and "validation loss x1:" in text
+    # --resume through shoal-run reads every saved run back: nothing trains, same table.
+    capsys.readouterr()
+    assert main([str(config), "--out", str(out), "--resume", "--no-progress"]) == 0
+    printed = re.findall(r"^.*, seed \d+(?: \(saved\))?: test loss .*$", capsys.readouterr().out,
+                         re.M)  # fmt: skip
+    assert len(printed) == 4 and all("(saved): test loss" in line for line in printed)
+    again = (out / "reproduce.md").read_text()
+    assert "4 of the 4 runs read back from `arms/`" in again
+    assert again.split("## Tuning")[1] == text.split("## Tuning")[1]  # the same tuning
+    assert [r for r in again.splitlines() if r.startswith("| DiLoCo")] == rows[:1]
     assert main([str(config), "--out", str(tmp_path / "o2"), "--workers", "4"]) == 2
     assert "drop --workers" in capsys.readouterr().err
 
@@ -138,15 +181,16 @@ def test_a_claim_row_from_summaries():
     from shoal.experiments.runner.claims import _row
 
     one, other = Arm("A", "a", 1), Arm("B", "b", 1)
-    runs = {one.key: [{"test_loss": 1.0, "mb_sent": 0.0, "peak_kb_sent": 0.0}] * 2,
-            other.key: [{"test_loss": 2.0, "mb_sent": 0.0, "peak_kb_sent": 0.0}] * 2}  # fmt: skip
+    none = {"mb_sent": 0.0, "peak_kb_sent": 0.0}
+    runs = {one.key: [{"seed": 0, "test_loss": 1.0, **none}] * 2,
+            other.key: [{"seed": 0, "test_loss": 2.0, **none}] * 2}  # fmt: skip
     row = _row(Claim("c", "p", "s", one, other), runs)
     assert row["bytes_ratio"] is None and row["verdict"] == "holds"
     assert _row(Claim("c", "p", "s", one, other, fewer_bytes=2), runs)["verdict"] == (
         "does not hold"
     )
-    runs[one.key] = [{"test_loss": 1.0, "mb_sent": 1.0, "peak_kb_sent": 5.0}] * 2
-    runs[other.key] = [{"test_loss": 2.0, "mb_sent": 8.0, "peak_kb_sent": 10.0}] * 2
+    runs[one.key] = [{"seed": 0, "test_loss": 1.0, "mb_sent": 1.0, "peak_kb_sent": 5.0}] * 2
+    runs[other.key] = [{"seed": 0, "test_loss": 2.0, "mb_sent": 8.0, "peak_kb_sent": 10.0}] * 2
     assert _row(Claim("c", "p", "s", one, other, fewer_bytes=8), runs)["bytes_ratio"] == 8
     peak = _row(Claim("c", "p", "s", one, other, fewer_bytes=3, peak=True), runs)
     assert peak["bytes_ratio"] == 2 and peak["verdict"] == "does not hold"
@@ -189,6 +233,12 @@ def test_grids_after_the_rate_shared_tunings_and_a_resumed_reproduction(tmp_path
     more = Reproduction(**{**rep.__dict__, "seeds": (0, 1)})
     claims.run_reproduction(more, out, command="test", progress=False, resume=True)
     assert sorted(s for _, s in trained) == [1, 1, 1]  # seed 0 read, seed 1 trained
+    # Changing DiLoCo's parameters redoes DiLoCo's tuning and runs, not data parallel's.
+    trained.clear()
+    params = {**BASE.params, "diloco": {"outer": {"learning_rate": 0.5}}}
+    changed = Reproduction(**{**more.__dict__, "config": dataclasses.replace(BASE, params=params)})
+    claims.run_reproduction(changed, out, command="test", progress=False, resume=True)
+    assert trained and all(a.startswith("diloco") for a, _ in trained)
     trained.clear()
     claims.run_reproduction(more, out, command="test", progress=False)  # not resumed
     assert len(trained) == 2 * 2 + 2 + 6

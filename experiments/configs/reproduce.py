@@ -43,6 +43,10 @@ H = 50  # the DiLoCo family's round, where a claim does not vary it
 ADAMW = {"learning_rate": 3e-3, "schedule": {"kind": "cosine", "warmup_steps": 20},
          "clip": 1.0}  # fmt: skip
 INNER = {"inner": {"adamw": ADAMW}}
+# The LAMB family's own schedule fields, set to AdamW's: a 20-step warm-up (of 400), a
+# cosine decay to 0 and the clip. Their defaults (a constant rate, no clip) would
+# compare 1-bit Adam with a better-scheduled Adam.
+LAMB_SCHEDULE = {"lr_warmup": 20 / 400, "lr_decay": "cosine", "clip": 1.0}
 
 
 def dp(workers: int) -> Arm:
@@ -127,6 +131,10 @@ def get_config() -> Reproduction:
                 "streaming_diloco": INNER,
                 "sparseloco": INNER,
                 "muloco": {"inner": {"schedule": ADAMW["schedule"], "clip": 1.0}},
+                "lamb": LAMB_SCHEDULE,
+                "onebit_adam": LAMB_SCHEDULE,
+                "onebit_lamb": LAMB_SCHEDULE,
+                "demo": {"schedule": ADAMW["schedule"], "clip": 1.0},
             },
         ),  # fmt: skip
         claims=claims(),

@@ -25,6 +25,11 @@ sample std over the seeds) and, where the paper says so, by the bytes each worke
 
 ``within = 0`` reads "a lower loss", ``0.01`` "within 1%" (or "no worse", as shoal reads
 it: within 1%), ``0.03`` "within a few percent".
+
+A seed *diverged* when its final test loss is not finite or above its first step's
+training loss (the model ends worse than it started). Its loss is shown apart and left
+out of the mean: a method that diverged on any seed does not hold, and against a
+reference that diverged nothing is concluded (inconclusive).
 """
 
 from __future__ import annotations
@@ -195,6 +200,7 @@ def run_reproduction(rep: Reproduction, out: Path, *, command: str, progress: bo
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     tuned: dict[tuple[int, str], list[dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
+    read_back = 0  # runs a resumed reproduction read from arms/ rather than trained
 
     done: dict[str, list[dict[str, Any]]] = {}
 
@@ -202,7 +208,7 @@ def run_reproduction(rep: Reproduction, out: Path, *, command: str, progress: bo
         """The rows of ``arm``'s tuning: done before, read, or tuned now and saved."""
         if arm.label not in done:
             cfg = configs[arm.key].seeded(rep.seeds[0])
-            stamp = repr((cfg, rep.sweep, rep.tune_also, rep.sweep_fraction))
+            stamp = repr((_own(cfg), rep.sweep, rep.tune_also, rep.sweep_fraction))
             found = saved.read(arm, "tuning", stamp)
             if found is None:
                 found = {"rows": _tune(rep, arm.algorithm, cfg, SimBackend(arm.workers),
@@ -221,24 +227,29 @@ def run_reproduction(rep: Reproduction, out: Path, *, command: str, progress: bo
             tuned[arm.key] = rows
         for seed in rep.seeds:
             run_cfg = dataclasses.replace(configs[arm.key], algorithms=(label,)).seeded(seed)
-            found = saved.read(arm, f"seed{seed}", repr(run_cfg))
+            found = saved.read(arm, f"seed{seed}", repr(_own(run_cfg)))
+            read_back += found is not None
+            how = " (saved)" if found is not None else ""
             if found is None:
                 result = train(run_cfg, make_task(run_cfg), backend,
                                algorithms.resolve(label, run_cfg), progress=progress)  # fmt: skip
                 found = {"summary": {"arm": arm.label, "workers": arm.workers, **result.summary},
                          "records": [{"arm": arm.label, "workers": arm.workers, **r}
                                      for r in result.records]}  # fmt: skip
-                saved.write(arm, f"seed{seed}", repr(run_cfg), found)
-            summary = found["summary"]
+                saved.write(arm, f"seed{seed}", repr(_own(run_cfg)), found)
+            summary = {**found["summary"], "diverged": _diverged(found)}
             runs.setdefault(arm.key, []).append(summary)
             records += found["records"]
-            print(f"{arm.label} ({label}), seed {seed}: test loss {summary['test_loss']:.4f}, "
-                  f"{summary['mb_sent']:.3f} MB sent/worker", flush=True)  # fmt: skip
+            print(f"{arm.label} ({label}), seed {seed}{how}: test loss "
+                  f"{summary['test_loss']:.4f}, {summary['mb_sent']:.3f} MB sent/worker",
+                  flush=True)  # fmt: skip
     rows = [_row(c, runs) for c in rep.claims]
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "results.jsonl", [s for summaries in runs.values() for s in summaries])
     write_jsonl(out / "metrics.jsonl", records)
-    text = markdown(rep, rows, tuned, command=command, wall_s=time.perf_counter() - start)
+    runs_s = sum(s.get("wall_s", 0.0) for summaries in runs.values() for s in summaries)
+    text = markdown(rep, rows, tuned, command=command, wall_s=time.perf_counter() - start,
+                    read_back=read_back, runs_s=runs_s)  # fmt: skip
     (out / "reproduce.md").write_text(text)
     plot_claims(out / "claims.png", rep, records)
     return rows
@@ -262,6 +273,13 @@ def _tune(rep: Reproduction, algorithm: str, cfg: Config, backend: SimBackend,
         label = labels[0]
         rows.append({**found[0], "grid": list(values)})
     return rows
+
+
+def _own(cfg: Config) -> Config:
+    """``cfg`` with the parameters of its own algorithms only: what a saved run is
+    stamped with, so that setting another arm's parameters redoes nothing else."""
+    names = {algorithms.parse_entry(a)[0] for a in cfg.algorithms}
+    return dataclasses.replace(cfg, params={k: v for k, v in cfg.params.items() if k in names})
 
 
 class _Saved:
@@ -321,41 +339,82 @@ def plot_claims(path: Path, rep: Reproduction, records: list[dict[str, Any]]) ->
     fig.savefig(path, dpi=110)
 
 
+def _diverged(run: dict[str, Any]) -> bool:
+    """Whether a saved run (``summary`` and ``records``) diverged: its final test loss is
+    not finite or above its first step's training loss."""
+    final = run["summary"]["test_loss"]
+    first = run["records"][0]["loss"] if run["records"] else math.inf
+    return not math.isfinite(final) or final > first
+
+
+def _kept(summaries: list[dict[str, Any]], gone: dict[int, float]) -> Spread:
+    """The spread of the test losses of the seeds not in ``gone`` (n = 0: none left)."""
+    kept = [s["test_loss"] for s in summaries if s["seed"] not in gone]
+    return spread(kept) if kept else Spread(math.nan, None, 0)
+
+
 def _row(claim: Claim, runs: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
     m, r = runs[claim.method.key], runs[claim.reference.key]
-    loss_m, loss_r = spread([s["test_loss"] for s in m]), spread([s["test_loss"] for s in r])
+    # The diverged seeds apart: one seed at 1e9 would make any interval overlap.
+    gone_m = {s["seed"]: s["test_loss"] for s in m if s.get("diverged")}
+    gone_r = {s["seed"]: s["test_loss"] for s in r if s.get("diverged")}
+    loss_m, loss_r = _kept(m, gone_m), _kept(r, gone_r)
     key = "peak_kb_sent" if claim.peak else "mb_sent"
     sent_m, sent_r = m[0][key], r[0][key]
     # None where neither sends (one worker): no ratio to claim or show.
     ratio = None if not (sent_m or sent_r) else sent_r / sent_m if sent_m else math.inf
     ok = claim.fewer_bytes is None or (ratio is not None and ratio >= claim.fewer_bytes)
+    if gone_m:
+        verdict = "does not hold"
+    elif gone_r:
+        verdict = "inconclusive"
+    else:
+        verdict = judge(loss_m, loss_r, claim.within, ok)
     return {"claim": claim.name, "paper": claim.paper, "statement": claim.statement,
             "method": claim.method.label, "reference": claim.reference.label,
             "loss_method": loss_m, "loss_reference": loss_r, "bytes_ratio": ratio,
-            "verdict": judge(loss_m, loss_r, claim.within, ok), "within": claim.within,
+            "diverged_method": gone_m, "diverged_reference": gone_r,
+            "verdict": verdict, "within": claim.within,
             "fewer_bytes": claim.fewer_bytes, "peak": claim.peak}  # fmt: skip
 
 
-def _loss(s: Spread) -> str:
-    return f"{s.mean:.4f} ± {s.std or 0.0:.4f} (n = {s.n})"
+def _loss(s: Spread, diverged: dict[int, float], n: int = 0) -> str:
+    """Mean ± std of the seeds that did not diverge (their count where it is not ``n``,
+    the table's), then those that did."""
+    text = f"{s.mean:.3f} ± {s.std or 0.0:.3f}" if s.n else "-"
+    text += f" (n = {s.n})" if s.n and s.n != n else ""
+    if diverged:
+        text += "; diverged: " + ", ".join(f"seed {k} at {v:.3g}" for k, v in diverged.items())
+    return text
 
 
 def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, command: str,
-             wall_s: float) -> str:  # fmt: skip
-    """``reproduce.md``: the table, how it was measured, and the tuning."""
+             wall_s: float, read_back: int = 0, runs_s: float = 0.0) -> str:  # fmt: skip
+    """``reproduce.md``: the table, how it was measured, and the tuning. ``read_back``
+    runs came from ``arms/`` (``--resume``); ``runs_s`` is the seeded runs' own time,
+    summed, saved ones included (the tuning's is not)."""
     cfg = rep.config
-    lines = [
-        "| claim | paper | method | reference | test loss (nats/byte): method vs reference "
-        "| bytes per worker, reference / method | verdict |",
-        "|---|---|---|---|---|---:|---|",
+    n_runs = len(rep.arms()) * len(rep.seeds)
+    took = f"{wall_s:.0f} s"
+    if read_back:  # a resumed study's time is not the study's: say what was read back
+        took += (
+            f" this time, {read_back} of the {n_runs} runs read back from `arms/` "
+            f"(`--resume`); the {n_runs} runs themselves took {runs_s:.0f} s"
+        )
+    n = len(rep.seeds)
+    lines = [  # the README's "Does it reproduce?" table, as it is
+        f"| claim | paper | method | test loss, method (n = {n}) | reference | test loss, "
+        f"reference (n = {n}) | bytes per worker, reference / method | verdict |",
+        "|---|---|---|---:|---|---:|---:|---|",
     ]
     for r in rows:
         which = "peak step" if r["peak"] else "run"
         need = f" (claimed >= {r['fewer_bytes']:g}x)" if r["fewer_bytes"] else ""
         ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3g}x {which}{need}"
         lines.append(
-            f"| {r['claim']} | {r['paper']} | {r['method']} | {r['reference']} | "
-            f"{_loss(r['loss_method'])} vs {_loss(r['loss_reference'])} | "
+            f"| {r['claim']} | {r['paper']} | {r['method']} | "
+            f"{_loss(r['loss_method'], r['diverged_method'], n)} | {r['reference']} | "
+            f"{_loss(r['loss_reference'], r['diverged_reference'], n)} | "
             f"{ratio} | **{r['verdict']}** |"
         )
     statements = "\n".join(
@@ -390,7 +449,7 @@ def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, comm
     seeds = ", ".join(map(str, rep.seeds))
     return f"""# Does it reproduce? ({cfg.name})
 
-`{command}`: {len(rep.arms())} arms x {len(rep.seeds)} seeds, {wall_s:.0f} s.
+`{command}`: {len(rep.arms())} arms x {len(rep.seeds)} seeds, {took}.
 
 {about}Every arm trains {rep.tokens:,} tokens of the `{cfg.task}` task ({cfg.batch_size} \
 windows of {cfg.seq_len} tokens per worker and step) and is judged by its test loss at \

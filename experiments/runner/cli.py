@@ -351,10 +351,9 @@ def _main(args, command: str, backend) -> int:
     problem = None
     try:
         loaded = load_argument(args.config)
-        if args.resume and not isinstance(loaded, Config):
-            what = {Study: "a study", Reproduction: "a reproduction"}.get(
-                type(loaded), "an analysis"
-            )
+        # A reproduction resumes from the tunings and runs it saved in arms/ as they ended.
+        if args.resume and not isinstance(loaded, (Config, Reproduction)):
+            what = "a study" if isinstance(loaded, Study) else "an analysis"
             raise ConfigError(f"--resume continues a config's runs; {what} has none to resume")
         if isinstance(loaded, Study):
             study, resolved = _setup_study(args, loaded)
