@@ -127,11 +127,12 @@ bench-cluster: $(STAMP)
 reproduce: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce.py --overwrite
 
-# Its DiLoCo claim's causes tested: each worker's batch 4x, then 4x the steps and rounds
-# (about 20 minutes each).
+# The causes tested where its claims miss: each DiLoCo worker's batch 4x, 4x the steps and
+# rounds, then one knob each of 1-bit Adam, DiLoCo and SparseLoCo (about 20 minutes each).
 reproduce-causes: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce_causes.py --overwrite
 	$(BIN)/shoal-run experiments/configs/reproduce_rounds.py --overwrite
+	$(BIN)/shoal-run experiments/configs/reproduce_knobs.py --overwrite
 
 study: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/gtc_sweep.py --overwrite

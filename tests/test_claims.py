@@ -154,7 +154,9 @@ def test_a_tiny_reproduction_through_shoal_run(tmp_path, capsys):
     assert "drop --workers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["reproduce", "reproduce_causes", "reproduce_rounds"])
+@pytest.mark.parametrize(
+    "name", ["reproduce", "reproduce_causes", "reproduce_rounds", "reproduce_knobs"]
+)
 def test_the_bundled_reproductions_resolve_every_arm(name):
     rep = load_argument(name)
     assert isinstance(rep, Reproduction) and len(rep.seeds) >= 3
@@ -169,6 +171,11 @@ def test_the_bundled_reproductions_resolve_every_arm(name):
         base = load_argument("reproduce")
         assert rep.config.batch_size == 4 * base.config.batch_size
         assert [rep.arm_config(a).steps for a in rep.arms()] == [400, 400]
+    elif name == "reproduce_knobs":  # one knob per arm, against reproduce's tuned arms
+        algorithms = {a.algorithm for a in rep.arms()}
+        assert "onebit_adam[learning_rate=0.006;freeze_step=399]" in algorithms
+        assert any("outer.momentum=0.0" in a for a in algorithms)
+        assert any("topk.fraction=0.03" in a for a in algorithms)
     else:  # the batch the same, 4x the steps
         base = load_argument("reproduce")
         assert rep.config.batch_size == base.config.batch_size
