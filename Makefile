@@ -15,7 +15,7 @@ MPI_RANKS ?= 4
 TEST_PROCS ?= 2
 MPI_TIMEOUT ?= 900
 
-.PHONY: run test test-sim test-nb test-sim-nb test-mpi test-gpu-rehearse gpu-check notebooks bench \
+.PHONY: run test test-sim test-nb test-mpi test-gpu-rehearse gpu-check notebooks bench \
 	bench-cluster study reproduce reproduce-causes lint wheel-check clean venv docs \
 	test-docs
 
@@ -32,9 +32,9 @@ $(STAMP): pyproject.toml Makefile install.sh
 run: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/quickstart.py --workers 8 --overwrite
 
-# The in-process tests and the notebooks share one pool of processes (the notebooks first:
-# the longest items start early), then the MPI tests, then the documentation site.
-test: test-sim-nb test-mpi test-gpu-rehearse test-docs
+# The in-process tests, then the MPI tests, then the documentation site, whose build
+# executes the notebooks (the tutorials) top to bottom.
+test: test-sim test-mpi test-gpu-rehearse test-docs
 
 # tests/test_docs.py runs in test-docs, on the site that `make docs` built, not here (it
 # would build the site a second time).
@@ -44,23 +44,21 @@ test-sim: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile $(NOT_HERE) tests
 
 # The notebooks, executed top to bottom as a user runs them (one size each, chosen to run in
-# about a minute or less). The committed .ipynb only: their .py sources are not tests
-# (tests/test_notebooks_sync.py checks that the two agree). Their kernels compile with the
-# tests' XLA flags (tests/xla_flags.py).
+# about a minute or less), without building the site (`make docs` executes them too). The
+# committed .ipynb only: their .py sources are not tests (tests/test_notebooks_sync.py
+# checks that the two agree). Their kernels compile with the tests' XLA flags
+# (tests/xla_flags.py).
 NB := XLA_FLAGS="$$XLA_FLAGS $$($(PY) tests/xla_flags.py)"
 test-nb: $(STAMP)
 	$(NB) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --nbmake notebooks/*.ipynb
 
-test-sim-nb: $(STAMP)
-	$(NB) $(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --nbmake notebooks/*.ipynb \
-		$(NOT_HERE) tests
-
 # The documentation site (mkdocs.yml, docs/building_docs.md) in site/: --strict fails on
-# any warning, broken link or cross-reference mkdocstrings cannot resolve. The variables
-# silence the banners two installed packages print about MkDocs 2.0.
+# any warning, broken link or cross-reference mkdocstrings cannot resolve, and a tutorial
+# notebook's cell that raises (they run with the tests' XLA flags). The variables silence
+# the banners two installed packages print about MkDocs 2.0.
 DOCS_ENV := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true
 docs: $(STAMP)
-	$(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir site
+	$(DOCS_ENV) $(NB) $(BIN)/mkdocs build --strict --site-dir site
 
 # The built site holds every public name and a page for every registered algorithm.
 test-docs: docs

@@ -12,7 +12,11 @@ mkdocs-gen-files runs this file (mkdocs.yml) and `pages` writes, in memory only:
 - ``api/<package>.md`` for shoal.comms, shoal.optim, shoal.kernels, shoal.costmodel,
   listing their ``__all__``;
 - ``cli.md``: ``shoal-run``'s options from its argparse parser and every ``--set`` key
-  of `Config`.
+  of `Config`;
+- ``tutorials/NN_name.ipynb``: the notebooks of ``notebooks/`` as they are committed
+  (empty outputs), which mkdocs-jupyter executes top to bottom while it builds their
+  pages (a cell that raises fails the build), each put in the nav after
+  ``tutorials/index.md``, their list.
 
 tests/test_docs.py imports this file to check that the pages cover the registry.
 """
@@ -355,16 +359,52 @@ def algorithm_pages() -> dict[str, str]:
     return pages
 
 
-def add_to_nav(nav: list, pages: dict[str, str]) -> None:
-    """Put every ``algorithms/<name>.md`` of ``pages`` in mkdocs.yml's nav, after the
-    section's ``algorithms/index.md``."""
+def add_to_nav(nav: list, pages: dict[str, str], folder: str = "algorithms",
+               title=lambda path: Path(path).stem) -> None:  # fmt: skip
+    """Put every page of ``pages`` under ``folder/`` in mkdocs.yml's nav, after the
+    section's ``Overview: folder/index.md``, each named ``title(path)``."""
+    index = f"{folder}/index.md"
     for item in nav:
         for value in item.values() if isinstance(item, dict) else ():
-            if isinstance(value, list) and {"Overview": "algorithms/index.md"} in value:
-                names = sorted(p for p in pages if p.startswith("algorithms/"))
-                value[1:] = [{Path(p).stem: p} for p in names if p != "algorithms/index.md"]
+            if isinstance(value, list) and {"Overview": index} in value:
+                names = sorted(p for p in pages if p.startswith(f"{folder}/") and p != index)
+                value[1:] = [{title(p): p} for p in names]
                 return
-    raise KeyError("mkdocs.yml's nav has no section with Overview: algorithms/index.md")
+    raise KeyError(f"mkdocs.yml's nav has no section with Overview: {index}")
+
+
+# --- Tutorials: the notebooks, executed while the site is built --------------------------------
+
+
+def notebook_title(text: str) -> str:
+    """A notebook's first Markdown heading (its ``.ipynb`` JSON ``text``)."""
+    import json
+
+    for cell in json.loads(text)["cells"]:
+        if cell["cell_type"] == "markdown":
+            for line in "".join(cell["source"]).splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    raise ValueError("a tutorial notebook needs a Markdown heading for its title")
+
+
+def tutorial_pages() -> dict[str, str]:
+    """``tutorials/NN_name.ipynb`` for every committed notebook, and their index."""
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    pages = {f"tutorials/{nb.name}": nb.read_text() for nb in notebooks}
+    rows = [f"- [{notebook_title(text)}]({Path(path).name})" for path, text in pages.items()]
+    pages["tutorials/index.md"] = "\n".join([
+        "# Tutorials",
+        "",
+        "The notebooks of `notebooks/`, executed top to bottom each time this site is built"
+        " (a cell that raises fails the build), with their outputs. Open them in Jupyter"
+        " from a clone (`.venv/bin/jupyter lab notebooks/`); each runs in about a minute on"
+        " a laptop's CPU.",
+        "",
+        *rows,
+        "",
+    ])  # fmt: skip
+    return pages
 
 
 # --- API reference ---------------------------------------------------------------------------
@@ -516,6 +556,7 @@ def pages() -> dict[str, str]:
     }
     out.update(algorithm_pages())
     out.update({f"api/{p}.md": api_page(p) for p in PACKAGES})
+    out.update(tutorial_pages())
     return out
 
 
@@ -527,3 +568,5 @@ if __name__ == "<run_path>":  # run by mkdocs-gen-files (runpy.run_path)
         with mkdocs_gen_files.open(path, "w") as f:
             f.write(text)
     add_to_nav(mkdocs_gen_files.config.nav, generated)
+    titles = {p: notebook_title(t) for p, t in generated.items() if p.endswith(".ipynb")}
+    add_to_nav(mkdocs_gen_files.config.nav, generated, "tutorials", titles.__getitem__)

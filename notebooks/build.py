@@ -4,9 +4,10 @@ The sources are jupytext percent-format scripts (``# %%`` code cells, ``# %% [ma
 cells), so ruff lints and formats the notebooks' code like the rest of the project. Edit a
 source, then run ``make notebooks`` (or ``.venv/bin/python notebooks/build.py``). The
 .ipynb, what a user opens in Jupyter, are committed with empty outputs;
-``tests/test_notebooks_sync.py`` fails when one differs from what its source builds. CI
-executes them top to bottom as they are (``make test-nb``): each has one size, small enough
-to run in about a minute.
+``tests/test_notebooks_sync.py`` fails when one differs from what its source builds. The
+docs build executes them top to bottom as they are, into the site's tutorials (``make
+docs``, in ``make test``; ``make test-nb`` runs them alone): each has one size, small
+enough to run in about a minute.
 """
 
 from __future__ import annotations

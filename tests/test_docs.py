@@ -3,7 +3,8 @@ public name of shoal.comms, shoal.optim, shoal.kernels and shoal.costmodel, and 
 every registered algorithm with its hyper-parameters; the generator follows the registry.
 
 `make test-docs` runs this file on the site `make docs` built (SHOAL_DOCS_SITE); without
-that variable the module builds the site itself into a temporary folder (about 20 s).
+that variable the module builds the site itself into a temporary folder (about 5 minutes:
+the tutorials are executed).
 """
 
 from __future__ import annotations
@@ -169,3 +170,60 @@ def test_cli_page_has_every_option_and_config_key(site):
             assert option in html, option
     for f in dataclasses.fields(Config):
         assert f"<code>{f.name}</code>" in html, f.name
+
+
+def unexecuted_tutorials(site: Path) -> list[str]:
+    """The committed notebooks that have no tutorial page with outputs on the site."""
+    out = []
+    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        page = site / "tutorials" / nb.stem / "index.html"
+        # The committed notebooks have no outputs: any on the page, the build ran them.
+        if not (page.is_file() and 'class="jp-OutputArea-child"' in page.read_text()):
+            out.append(nb.name)
+    return out
+
+
+def test_every_notebook_is_an_executed_tutorial(site):
+    import json
+
+    assert unexecuted_tutorials(site) == []
+    committed = json.loads((ROOT / "notebooks" / "01_tour.ipynb").read_text())
+    assert all(not c.get("outputs") for c in committed["cells"])  # so the outputs are new
+    index = (site / "tutorials" / "index.html").read_text()
+    assert "A tour of shoal" in index and 'href="01_tour/"' in index
+    # ... and the check fails on a site where a tutorial's page is missing.
+    assert unexecuted_tutorials(site / "api") != []
+
+
+def test_a_tutorial_that_raises_fails_the_build(tmp_path):
+    """The site's own mkdocs-jupyter settings (from mkdocs.yml) on a one-notebook site: a
+    cell that raises fails the build, and names the error."""
+    import json
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # mkdocs.yml may hold !!python tags: read them as text
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, tag, node: None)
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+    plugin = next(p["mkdocs-jupyter"] for p in config["plugins"]
+                  if isinstance(p, dict) and "mkdocs-jupyter" in p)  # fmt: skip
+    assert plugin["execute"] is True and plugin["allow_errors"] is False
+    docs = tmp_path / "docs" / "tutorials"
+    docs.mkdir(parents=True)
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": "# Broken"},
+             {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+              "source": "raise ValueError('this tutorial is broken')"}]  # fmt: skip
+    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "language": "python",
+          "display_name": "Python 3"}}, "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
+    (docs / "broken.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "docs" / "index.md").write_text("# Home\n")
+    site = {"site_name": "t", "strict": True, "plugins": [{"mkdocs-jupyter": plugin}],
+            "nav": [{"Home": "index.md"}, {"Broken": "tutorials/broken.ipynb"}]}  # fmt: skip
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(site))
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", DISABLE_MKDOCS_2_WARNING="true")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    assert "this tutorial is broken" in proc.stdout + proc.stderr
