@@ -13,6 +13,9 @@ mkdocs-gen-files runs this file (mkdocs.yml) and `pages` writes, in memory only:
   listing their ``__all__``;
 - ``cli.md``: ``shoal-run``'s options from its argparse parser and every ``--set`` key
   of `Config`;
+- ``mathjax/``: MathJax 2 from the jupyter-server-mathjax package, which renders the
+  tutorials' TeX in the browser without loading anything from the network
+  (``docs/javascripts/mathjax.js`` configures it);
 - ``tutorials/NN_name.ipynb``: the notebooks of ``notebooks/`` as they are committed
   (empty outputs), which mkdocs-jupyter executes top to bottom while it builds their
   pages (a cell that raises fails the build), each put in the nav after
@@ -544,6 +547,28 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
+# --- MathJax, for the tutorials' TeX ----------------------------------------------------------
+
+
+def mathjax_files() -> dict[str, bytes]:
+    """``mathjax/<path>`` for what MathJax 2 needs to render TeX (its loader, the
+    combined TeX-in, HTML-CSS-out configuration, the extensions, the STIX-Web fonts;
+    English only)."""
+    import jupyter_server_mathjax
+
+    static = Path(jupyter_server_mathjax.__file__).parent / "static"
+    keep = ("MathJax.js", "LICENSE", "config/", "extensions/", "jax/", "fonts/HTML-CSS/",
+            "localization/en/")  # fmt: skip
+    out = {}
+    for path in sorted(static.rglob("*")):
+        rel = path.relative_to(static).as_posix()
+        if path.is_file() and rel.startswith(keep):
+            out[f"mathjax/{rel}"] = path.read_bytes()
+    if "mathjax/MathJax.js" not in out:
+        raise FileNotFoundError(f"no MathJax.js in {static}")
+    return out
+
+
 # --- All of them -----------------------------------------------------------------------------
 
 
@@ -567,6 +592,9 @@ if __name__ == "<run_path>":  # run by mkdocs-gen-files (runpy.run_path)
     for path, text in generated.items():
         with mkdocs_gen_files.open(path, "w") as f:
             f.write(text)
+    for path, data in mathjax_files().items():
+        with mkdocs_gen_files.open(path, "wb") as f:
+            f.write(data)
     add_to_nav(mkdocs_gen_files.config.nav, generated)
     titles = {p: notebook_title(t) for p, t in generated.items() if p.endswith(".ipynb")}
     add_to_nav(mkdocs_gen_files.config.nav, generated, "tutorials", titles.__getitem__)

@@ -22,6 +22,7 @@ PAGES = {
     "index": "",
     "diloco": "algorithms/diloco/",
     "optim": "api/optim/",
+    "tutorial": "tutorials/07_diloco/",
 }
 CHROMIUM_FLAGS = [
     "--headless",
@@ -33,6 +34,8 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
     "--hide-scrollbars",
+    # Let the page's scripts run (MathJax typesets the tutorials' TeX after the load).
+    "--virtual-time-budget=10000",
 ]
 
 

@@ -227,3 +227,22 @@ def test_a_tutorial_that_raises_fails_the_build(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode != 0
     assert "this tutorial is broken" in proc.stdout + proc.stderr
+
+
+def test_the_tutorials_maths_is_rendered_from_local_files(site):
+    """Every script a tutorial page loads is on the site (MathJax's own files, copied in
+    from jupyter-server-mathjax), none from the network, and MathJax is configured to
+    read the tutorials' TeX."""
+    import re
+
+    page = site / "tutorials" / "07_diloco" / "index.html"
+    html = page.read_text()
+    scripts = re.findall(r'<script src="([^"]+)"', html)
+    assert "../../mathjax/MathJax.js" in scripts
+    for src in filter(None, scripts):
+        assert not src.startswith(("http:", "https:", "//")), src
+        assert (page.parent / src.split("?")[0]).resolve().is_file(), src
+    config = (site / "javascripts" / "mathjax.js").read_text()
+    combined = re.search(r'config: \["([^"]+)"\]', config).group(1)
+    assert (site / "mathjax" / "config" / combined).is_file()
+    assert "$\\theta_g$" in html or "\\theta_g" in html  # the TeX MathJax typesets
