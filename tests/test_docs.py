@@ -210,6 +210,7 @@ def test_a_tutorial_that_raises_fails_the_build(tmp_path):
     plugin = next(p["mkdocs-jupyter"] for p in config["plugins"]
                   if isinstance(p, dict) and "mkdocs-jupyter" in p)  # fmt: skip
     assert plugin["execute"] is True and plugin["allow_errors"] is False
+    assert plugin["cache"] is False  # every build runs them: none is read from a cache
     docs = tmp_path / "docs" / "tutorials"
     docs.mkdir(parents=True)
     cells = [{"cell_type": "markdown", "metadata": {}, "source": "# Broken"},
