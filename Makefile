@@ -21,7 +21,7 @@ MPI_TIMEOUT ?= 900
 
 venv: $(STAMP)
 
-# install.sh holds the README's "own project" commands; an empty pip cache is enough. The dev
+# install.sh holds the "own project" commands (docs/guide/install.md); an empty pip cache is enough. The dev
 # extra includes the docs extra (make docs).
 $(STAMP): pyproject.toml Makefile install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -119,7 +119,7 @@ bench: $(STAMP)
 bench-cluster: $(STAMP)
 	$(PY) benchmarks/cluster/run.py $(BENCH_ARGS)
 
-# The longer experiments behind the README's results (minutes each on 2 cores).
+# The longer experiments behind docs/experiments/studies.md (minutes each on 2 cores).
 # The "Does it reproduce?" study (experiments/configs/reproduce.py): runs/reproduce/,
 # about 80 minutes; `.venv/bin/shoal-run reproduce --resume` continues a stopped one.
 reproduce: $(STAMP)

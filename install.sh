@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs shoal with its MPI extra into the Python environment first on PATH: the
-# README's "Use shoal in your own project" commands. `make` runs this file, so the two
-# cannot drift apart (tests/test_install_docs.py checks that the README shows these lines).
+# "Use shoal in your own project" commands (docs/guide/install.md). `make` runs this file,
+# so the two cannot drift apart (tests/test_install_docs.py checks that page shows these
+# lines).
 #
 #   bash install.sh [PIP_ARGS...]    what to install as shoal; default: "<this folder>[mpi]"
 #

@@ -164,8 +164,9 @@ plt.show()
 # and 4 beat plain BMUF (about 63% and 60% against 66%) and $P = 8$, one group whose
 # BMUF step only resets the local momentum, is back near BMUF; S-SGD (43%) and GTC (48%),
 # which average every step, are far ahead this early. Ladkat et al. report that larger
-# groups reduce the error of plain BMUF; the README's acoustic study (32 workers, block
-# size 10, 2 epochs) found that groups of 4 and 8 beat BMUF while groups of 2 did not.
+# groups reduce the error of plain BMUF; the acoustic study of
+# `docs/experiments/studies.md` (32 workers, block size 10, 2 epochs) found that groups of
+# 4 and 8 beat BMUF while groups of 2 did not.
 # Middle: the price. The GTC part grows with the $P - 1$ peers of a group, the BMUF part
 # shrinks with $M$. At 8 workers, a 2.5% capacity and blocks of 10 they trade exactly: per
 # block a worker sends about $(P-1)\,n$ bytes of GTC words ($10 \cdot 4 \cdot 0.025\,n$ per

@@ -261,5 +261,5 @@ plt.show()
 # buffers jump from zero at the first compressed step and stay bounded, and the running sum
 # of the compressed momenta never drifts from the exact one by more than the errors held.
 # For a longer run on a transformer language model, `shoal-run
-# experiments/configs/onebit_lamb_lm.py` (README: final losses within half a percent at 5.66x
-# fewer bytes).
+# experiments/configs/onebit_lamb_lm.py` (`docs/experiments/studies.md`: final losses
+# within half a percent at 5.66x fewer bytes).

@@ -213,4 +213,5 @@ plt.show()
 # partial fraction. The noise-scale panel shows the estimate the policy reads, the
 # threshold, and the step where it switched (bytes per step drop there, bottom right; the
 # estimate stops, since partial exchange does not compute it). The full comparison (ten
-# algorithms, staleness, README table) is `shoal-run experiments/configs/kungfu.py`.
+# algorithms, staleness, the table in `docs/experiments/studies.md`) is `shoal-run
+# experiments/configs/kungfu.py`.

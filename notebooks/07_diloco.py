@@ -349,4 +349,5 @@ plt.show()
 # differs from the float32 runs' by up to 0.07, either way; from step 150 on the
 # difference is a few thousandths: the error feedback resends what each exchange dropped.
 # The same study on a transformer with 8 workers through `shoal-run` is
-# `experiments/configs/diloco_lm.py` (README, "DiLoCo and Streaming DiLoCo").
+# `experiments/configs/diloco_lm.py` (`docs/experiments/studies.md`, "DiLoCo and
+# Streaming DiLoCo").

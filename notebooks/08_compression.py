@@ -273,4 +273,5 @@ plt.show()
 # and travels whole (the 256 x 16 embedding above rank 7, the 128 x 128 matrix above 32,
 # the two 256 x 128 ones above 42); past rank 42 it sends as much as S-SGD. The same
 # methods on larger models through `shoal-run`: `experiments/configs/compression_pareto.py`
-# and `compression_pareto_lm.py` (README, "Compressors at equal footing").
+# and `compression_pareto_lm.py` (`docs/experiments/studies.md`, "Compressors at equal
+# footing").

@@ -1,7 +1,8 @@
 """``compression_pareto.py``'s entries on the byte-level LM (`shoal.experiments.tasks.lm`: a
 2-block causal transformer of width 64 on the Python standard library's source), 8
-simulated workers, about 12 minutes a seed on 2 CPU cores (the README runs it tuned, over 3
-seeds: ``--seeds 0,1,2 --sweep learning_rate=x0.3,x1,x3``, 47 minutes).
+simulated workers, about 12 minutes a seed on 2 CPU cores (`docs/experiments/studies.md`
+runs it tuned, over 3 seeds: ``--seeds 0,1,2 --sweep learning_rate=x0.3,x1,x3``, 47
+minutes).
 
 Run with ``shoal-run experiments/configs/compression_pareto_lm.py``.
 """
