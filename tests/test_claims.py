@@ -224,6 +224,7 @@ def test_grids_after_the_rate_shared_tunings_and_a_resumed_reproduction(tmp_path
     rows = claims.run_reproduction(rep, out, command="test", progress=False)
     text = (out / "reproduce.md").read_text()
     assert "then outer.momentum over 0.5, 0.9" in text
+    assert "the grid's edge)" in text  # a grid of two: whichever is chosen is at its edge
     assert "diloco[sync_every=4] on 2 worker(s): outer.momentum = " in text
     assert "- DiLoCo H = 8: as DiLoCo H = 4" in text
     # 2 rates x 2 tuned arms, 2 momenta for DiLoCo, then one seed each of 3 arms.

@@ -428,11 +428,16 @@ def markdown(rep: Reproduction, rows: list[dict[str, Any]], tuned: dict, *, comm
         for r in rows
     )
     shared = {a.label: a.tuned_as for a in rep.arms() if a.tuned_as}
+
+    def edge(row) -> str:  # a value at the end of its grid may not be the best there is
+        grid = list(row.get("grid", rep.sweep))
+        return ", the grid's edge" if len(grid) > 1 and row["chosen"] in (grid[0], grid[-1]) else ""
+
     tuning = "\n".join(
         f"- {key[1]} on {key[0]} worker(s): {row['path']} = {row['value']} "
         f"(validation loss "
         + ", ".join(f"{v}: {row['losses'][v]:.4f}" for v in row.get("grid", rep.sweep))
-        + ")"  # fmt: skip
+        + f"{edge(row)})"  # fmt: skip
         for key, rows in tuned.items()
         for row in rows
     ) + "".join(f"\n- {label}: as {other}" for label, other in shared.items())
