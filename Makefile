@@ -126,7 +126,7 @@ reproduce: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce.py --overwrite
 
 # The causes tested where its claims miss: each DiLoCo worker's batch 4x, 4x the steps and
-# rounds, then one knob each of 1-bit Adam, DiLoCo and SparseLoCo (about 20 minutes each).
+# rounds, then one knob each of 1-bit Adam, DiLoCo, SparseLoCo and DeMo (about 20 minutes each).
 reproduce-causes: $(STAMP)
 	$(BIN)/shoal-run experiments/configs/reproduce_causes.py --overwrite
 	$(BIN)/shoal-run experiments/configs/reproduce_rounds.py --overwrite
