@@ -32,6 +32,7 @@ import functools
 import html
 import importlib
 import inspect
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -72,16 +73,36 @@ def readme_section(text: str, title: str) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def from_template(name: str) -> str:
+def relink(text: str, source: str, page: str) -> str:
+    """``text``, a section of ``source`` (a path from the repository root), with its
+    relative Markdown links to pages under docs/ made relative to ``page`` (a path under
+    docs/), where the section is put: ``docs/results/causes.md`` in README.md is
+    ``causes.md`` on ``results/reproduce.md``."""
+    docs, here = ROOT / "docs", (ROOT / "docs" / page).parent
+
+    def fix(m: re.Match) -> str:
+        target, anchor = m.group(2).partition("#")[::2]
+        if not target or re.match(r"[a-z]+:", target):
+            return m.group(0)  # an anchor on the same page, or a URL
+        path = ((ROOT / source).parent / target).resolve()
+        if docs not in path.parents:
+            return m.group(0)  # not a page of the site: left for the strict build to name
+        new = os.path.relpath(path, here) + (f"#{anchor}" if anchor else "")
+        return f"[{m.group(1)}]({new})"
+
+    return re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", fix, text)
+
+
+def from_template(name: str, page: str) -> str:
     """``docs/templates/<name>`` with every ``<!-- FILE: title -->`` line replaced by that
     section of FILE (a path from the repository root: ``README.md``,
-    ``docs/guide/install.md``)."""
+    ``docs/guide/install.md``), its links made relative to ``page``, where it goes."""
     template = (ROOT / "docs" / "templates" / name).read_text()
 
     def section(m: re.Match) -> str:
         path, title = m.group(1), m.group(2)
         try:
-            return readme_section((ROOT / path).read_text(), title)
+            return relink(readme_section((ROOT / path).read_text(), title), path, page)
         except KeyError:
             raise KeyError(f"{path} has no section '{title}'") from None
 
@@ -575,8 +596,8 @@ def mathjax_files() -> dict[str, bytes]:
 def pages() -> dict[str, str]:
     """Every generated page: path under docs/ -> Markdown."""
     out = {
-        "getting_started.md": from_template("getting_started.md"),
-        "results/reproduce.md": from_template("reproduce.md"),
+        "getting_started.md": from_template("getting_started.md", "getting_started.md"),
+        "results/reproduce.md": from_template("reproduce.md", "results/reproduce.md"),
         "cli.md": cli_page(),
     }
     out.update(algorithm_pages())

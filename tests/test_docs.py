@@ -247,3 +247,12 @@ def test_the_tutorials_maths_is_rendered_from_local_files(site):
     combined = re.search(r'config: \["([^"]+)"\]', config).group(1)
     assert (site / "mathjax" / "config" / combined).is_file()
     assert "$\\theta_g$" in html or "\\theta_g" in html  # the TeX MathJax typesets
+
+
+def test_a_copied_sections_links_point_from_its_new_page():
+    text = "See [causes](docs/results/causes.md#dilo), [x](https://a.b/c) and [y](#here)."
+    moved = gen.relink(text, "README.md", "results/reproduce.md")
+    assert moved == "See [causes](causes.md#dilo), [x](https://a.b/c) and [y](#here)."
+    assert gen.relink("[m](mesh.md)", "docs/guide/mpi.md", "getting_started.md") == (
+        "[m](guide/mesh.md)"
+    )
