@@ -26,7 +26,7 @@ state them:
 then the DiLoCo family's outer momentum (0.3, 0.6, 0.9), on half the run and the
 validation files; DiLoCo at H = 10 and 100 takes the values tuned at H = 50, and fp4
 Streaming DiLoCo those of float32. The size (0.22M parameters, 409,600 tokens per arm,
-120 runs in all) is what lets the study finish in about an hour on 2 CPU cores: most of
+120 runs in all) is what lets the study finish in about 80 minutes on 2 CPU cores: most of
 a run's 40 s is tracing and compiling, so the programs stay vmapped (``in_turn`` would
 compile two more). ``shoal-run reproduce --resume`` continues a stopped study.
 """
@@ -140,8 +140,8 @@ def get_config() -> Reproduction:
         claims=claims(),
         tokens=TOKENS,
         # DiLoCo's outer momentum, tuned after the inner rate: at a few dozen rounds the
-        # paper's 0.9 costs DiLoCo with one replica 29% more loss (README, "Does
-        # it reproduce?").
+        # paper's 0.9 costs DiLoCo with one replica 29% more loss
+        # (docs/results/causes.md).
         tune_also=(("outer.momentum", ("0.3", "0.6", "0.9")),),
         description=__doc__.split("\n\n")[0],
     )
