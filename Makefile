@@ -21,8 +21,8 @@ MPI_TIMEOUT ?= 900
 
 venv: $(STAMP)
 
-# install.sh holds the "own project" commands (docs/guide/install.md); an empty pip cache is enough. The dev
-# extra includes the docs extra (make docs).
+# install.sh holds the "own project" commands (docs/guide/install.md); an empty pip cache
+# is enough. The dev extra includes the docs extra (make docs).
 $(STAMP): pyproject.toml Makefile install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

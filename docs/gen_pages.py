@@ -594,7 +594,7 @@ def mathjax_files() -> dict[str, bytes]:
 
 
 def pages() -> dict[str, str]:
-    """Every generated page: path under docs/ -> Markdown."""
+    """Every generated page: path under docs/ -> its Markdown (a tutorial's: its JSON)."""
     out = {
         "getting_started.md": from_template("getting_started.md", "getting_started.md"),
         "results/reproduce.md": from_template("reproduce.md", "results/reproduce.md"),
